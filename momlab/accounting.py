@@ -141,6 +141,14 @@ class StorageTracker(TorchDispatchMode):
                 requested=nbytes, live=self.device_bytes, budget=self.budget,
             )
 
+    def check_budget(self) -> None:
+        """Raise OutOfMemory if what is on the books already exceeds the budget."""
+        if self.budget is not None and self.device_bytes > self.budget:
+            raise OutOfMemory(
+                f"emulated device out of memory: {self.device_bytes} bytes resident exceed budget {self.budget}",
+                live=self.device_bytes, budget=self.budget,
+            )
+
     # -- queries ------------------------------------------------------------
     def reset_peak(self) -> None:
         self.peak_bytes = self.device_bytes

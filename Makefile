@@ -1,0 +1,43 @@
+# momlab: the dependency graph from parameters to results to figures.
+# `make test` and `make figures` set everything up from nothing (a .venv).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PARAMS ?= params/default.yaml
+NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
+export HF_HUB_OFFLINE := 1
+export PYTHONHASHSEED := 0
+
+.PHONY: help venv test test-fast figures bench lab test-browser clean
+
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[notebooks,test]'
+	touch $@
+
+venv: $(VENV)/.installed ## create .venv with the pinned dependencies
+
+test: $(VENV)/.installed ## run the test suite (CPU, tiny configs, notebooks with params/smoke.yaml)
+	$(PY) -m pytest -q
+
+test-fast: $(VENV)/.installed ## the tests not marked slow
+	$(PY) -m pytest -q -m 'not slow'
+
+figures: $(VENV)/.installed ## run every notebook with $(PARAMS): results/ and figures/
+	$(PY) -m momlab.figures $(PARAMS) $(NOTEBOOKS)
+
+bench: $(VENV)/.installed ## benchmarks: ratios measured side by side in one run
+	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lab: $(VENV)/.installed ## open JupyterLab on the notebooks
+	$(VENV)/bin/jupyter lab notebooks/
+
+test-browser: $(VENV)/.installed ## the what-if widgets in headless Chromium (installs chromium)
+	$(PY) -m pytest -q tests/browser
+
+clean: ## remove build outputs (keeps results/ and figures/)
+	rm -rf build .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from momlab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,186 @@
+"""measure(): run one configuration and record its memory and speed.
+
+The method follows the paper, with its flaw removed: every model is timed over
+the whole step (forward, loss, backward, optimizer step, zero grads).
+
+1. Build the workload; put weights on the books; `warmup` steps create the
+   optimizer state (a budget is already enforced here).
+2. One probe step with memory accounting on (the CUDA allocator's counters on
+   a GPU; exact storage accounting on the emulated CPU device) and FLOP
+   counting: peak, and the breakdown read at the end of forward (activations)
+   and the end of backward (gradients).
+3. `steps` timed steps with accounting off, synchronized on CUDA; the median
+   is the step time.
+
+An out-of-memory anywhere (real, or the emulated budget) is data: the record
+says ``fits=False`` and the memory that was live when it happened.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import statistics
+import time
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from momlab import catalog
+from momlab.accounting import StorageTracker, unique_storage_bytes
+from momlab.device import CudaMemory, check_device, empty_cache, is_oom, synchronize
+from momlab.errors import OutOfMemory, check_choice
+from momlab.provenance import environment
+from momlab.record import Measurement
+from momlab.units import parse_bytes
+from momlab.workload import PRECISIONS, Workload, build, check_batch_size, parse_mom
+
+
+def _check(model, mom, batch_size, device, budget, precision, steps, warmup, size):
+    catalog.spec(model)
+    size = catalog.resolve_size(model, size)
+    mom = parse_mom(mom)
+    check_batch_size(batch_size)
+    check_choice("precision", precision, PRECISIONS)
+    dev = check_device(device)
+    if dev.type == "meta":
+        raise ValueError("measure runs on a real device (cpu or cuda); use momlab.estimate for predictions")
+    budget = None if budget is None else parse_bytes(budget)
+    for name, value, low in (("steps", steps, 1), ("warmup", warmup, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    return size, mom, dev, budget
+
+
+class _Probe:
+    """Reads the device account at the end of forward and the end of backward."""
+
+    def __init__(self, live, host, workload: Workload):
+        self.live, self.host, self.w = live, host, workload
+        self.forward_live = self.forward_host = self.grads_bytes = 0
+
+    def forward_end(self):
+        self.forward_live = self.live()
+        self.forward_host = self.host()
+
+    def backward_end(self):
+        self.grads_bytes = unique_storage_bytes(self.w.state_tensors()["grads"])
+
+
+def measure(model: str, mom: str = "exact", *, batch_size: int, device: str = "cpu", budget=None,
+            precision: str = "fp32", steps: int = 3, warmup: int = 1, seed: int = 0, **size) -> Measurement:
+    """Measure one training configuration; see the module docstring and `Measurement`.
+
+    >>> m = measure("bert-base", batch_size=2, **catalog.tiny("bert-base"))  # doctest: +SKIP
+    >>> m.fits, m.peak_bytes > m.params_bytes
+    (True, True)
+    """
+    size, mom, dev, budget = _check(model, mom, batch_size, device, budget, precision, steps, warmup, size)
+    base = dict(model=model, mom=mom, batch_size=batch_size, device=dev.type, precision=precision, size=size,
+                budget=budget, env=environment(dev))
+    gc.collect()
+    if dev.type == "cuda":
+        return _measure_cuda(base, dev, budget, steps, warmup, seed)
+    return _measure_emulated(base, dev, budget, steps, warmup, seed)
+
+
+def _unfit(base: dict, live: int, error: str, memory_source: str, options: dict | None = None) -> Measurement:
+    nan = math.nan
+    return Measurement(**base, fits=False, peak_bytes=live, params_bytes=0, grads_bytes=0, optimizer_bytes=0,
+                       activation_bytes=0, workspace_bytes=0, host_bytes=0, step_time_s=nan, throughput=nan,
+                       flops=0, memory_source=memory_source, error=error, options=options or {})
+
+
+def _breakdown(base, w: Workload, peak: int, bytes_of, probe: _Probe, flops: int, times, memory_source: str):
+    state = w.state_tensors()
+    params = bytes_of(state["params"])
+    optimizer = bytes_of(state["optimizer"])
+    grads = probe.grads_bytes
+    activation = max(0, probe.forward_live - params - optimizer)
+    workspace = max(0, peak - params - grads - optimizer - activation)
+    step_time = statistics.median(times)
+    return Measurement(
+        **base, fits=True, peak_bytes=peak, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
+        activation_bytes=activation, workspace_bytes=workspace, host_bytes=probe.forward_host,
+        step_time_s=step_time, throughput=base["batch_size"] / step_time, flops=flops,
+        memory_source=memory_source, step_times_s=tuple(times), options=dict(w.options),
+    )
+
+
+def _timed_steps(w: Workload, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        inputs = w.batch()
+        synchronize(w.device)
+        t0 = time.perf_counter()
+        w.step(inputs)
+        synchronize(w.device)
+        times.append(time.perf_counter() - t0)
+        del inputs
+    return times
+
+
+def _measure_emulated(base, dev, budget, steps, warmup, seed) -> Measurement:
+    tracker = StorageTracker(budget=budget)
+    w = None
+    try:
+        w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
+                  precision=base["precision"], seed=seed, **base["size"])
+        with tracker:
+            state = w.state_tensors()
+            tracker.track(state["params"])
+            tracker.check_budget()
+            for _ in range(warmup):
+                w.step()
+            gc.collect()
+            tracker.reset_peak()
+            probe = _Probe(lambda: tracker.device_bytes, lambda: tracker.host_bytes, w)
+            with FlopCounterMode(display=False) as flop_counter:
+                w.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
+            peak = tracker.peak_bytes
+        times = _timed_steps(w, steps)
+        return _breakdown(base, w, peak, unique_storage_bytes, probe, flop_counter.get_total_flops(), times,
+                          "cpu-emulated")
+    except Exception as exc:  # noqa: BLE001 - only OOM is data; everything else propagates
+        if not is_oom(exc):
+            raise
+        live = exc.live if isinstance(exc, OutOfMemory) else tracker.device_bytes
+        error = str(exc).splitlines()[0]
+        options = dict(w.options) if w is not None else {}
+    # outside the except block: the traceback (and the tensors it holds) is gone
+    w = None
+    empty_cache(dev)
+    return _unfit(base, live, error, "cpu-emulated", options)
+
+
+def _measure_cuda(base, dev, budget, steps, warmup, seed) -> Measurement:
+    mem = CudaMemory(dev, budget)
+    empty_cache(dev)
+    w = None
+    try:
+        with mem.capped():
+            w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
+                      precision=base["precision"], seed=seed, **base["size"])
+            for _ in range(warmup):
+                w.step()
+            gc.collect()
+            synchronize(dev)
+            mem.reset_peak()
+            # a tracker on the host side counts what a MOM keeps in host memory (swap)
+            host = StorageTracker(devices=("cuda",))
+            probe = _Probe(mem.allocated, lambda: host.host_bytes, w)
+            with host, FlopCounterMode(display=False) as flop_counter:
+                w.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
+            synchronize(dev)
+            peak = mem.peak()
+            times = _timed_steps(w, steps)
+        return _breakdown(base, w, peak, unique_storage_bytes, probe, flop_counter.get_total_flops(), times, "cuda")
+    except Exception as exc:  # noqa: BLE001
+        if not is_oom(exc):
+            raise
+        live = torch.cuda.memory_allocated(dev)
+        error = str(exc).splitlines()[0]
+        options = dict(w.options) if w is not None else {}
+    w = None
+    empty_cache(dev)
+    return _unfit(base, live, error, "cuda", options)

@@ -1,0 +1,137 @@
+"""A Workload: one catalog model with its MOM, optimizer, precision and data.
+
+`build()` is the recipe that fixes the order (torchtitan's way): make the
+model, move it to the device, apply the MOM (which wraps blocks and installs
+saved-tensor hooks), then create the optimizer. The training step never names
+a MOM.
+
+Optimizers follow the paper: AdamW for transformers, SGD with momentum for
+ResNets. Both run with ``foreach=True`` on every device: it is CUDA's default,
+its temporaries can set the peak, and choosing it everywhere makes the CPU's
+emulated device account the same step a GPU runs (recorded in `options`).
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from momlab import catalog
+from momlab.device import autocast, check_device
+from momlab.errors import check_choice
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+FOREACH = True
+ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
+SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
+
+
+def check_batch_size(batch_size) -> int:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    return batch_size
+
+
+def parse_mom(mom: str) -> str:
+    """Canonical MOM string; ValueError naming the valid ones."""
+    import momlab.moms
+
+    canonical = getattr(sys.modules["momlab.moms"], "canonical", None)
+    if canonical is None and mom == "exact":  # TEMP until moms lands
+        return mom
+    return canonical(mom)
+
+
+@dataclass
+class Workload:
+    """A model ready to train: `.step()` runs forward, loss, backward, optimizer, zero grads."""
+
+    name: str
+    size: dict
+    batch_size: int
+    device: torch.device
+    precision: str
+    mom: str
+    seed: int
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: object | None = None
+    handle: object | None = None
+    options: dict = field(default_factory=dict)
+    generator: torch.Generator | None = None
+
+    def batch(self) -> dict:
+        """A fresh synthetic batch (seeded: the same sequence for the same seed)."""
+        return catalog.batch(self.name, self.size, self.batch_size, self.generator, self.device)
+
+    def step(self, batch: dict | None = None, *, on_forward_end: Callable | None = None,
+             on_backward_end: Callable | None = None) -> float:
+        """One full training step; returns the loss. Callbacks let a probe read memory."""
+        inputs = self.batch() if batch is None else batch
+        context = self.handle.context() if self.handle is not None else nullcontext()
+        with autocast(self.device, self.precision), context:
+            loss = catalog.loss(self.name, self.model, inputs)
+        del inputs, batch
+        if on_forward_end is not None:
+            on_forward_end()
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        if on_backward_end is not None:
+            on_backward_end()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss.detach().float().item() if self.device.type != "meta" else float("nan")
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The resident tensors by category: params (with buffers), grads, optimizer."""
+        params = list(self.model.parameters()) + list(self.model.buffers())
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        opt = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return {"params": params, "grads": grads, "optimizer": opt}
+
+
+def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu", precision: str = "fp32",
+          seed: int = 0, **size) -> Workload:
+    """Build `model` at `size` with `mom` applied, ready to `.step()`."""
+    spec = catalog.spec(model)
+    size = catalog.resolve_size(model, size)
+    check_batch_size(batch_size)
+    check_choice("precision", precision, PRECISIONS)
+    mom = parse_mom(mom)
+    dev = check_device(device)
+
+    torch.manual_seed(seed)
+    if dev.type == "meta":
+        with torch.device("meta"):
+            net = catalog.make_model(model, size)
+    else:
+        net = catalog.make_model(model, size).to(dev)
+    net.train()
+    handle = None
+    if mom != "exact":
+        from momlab.moms import apply
+
+        handle = apply(net, mom, blocks=catalog.blocks(model, net))
+    if spec.optimizer == "adamw":
+        opt = torch.optim.AdamW(net.parameters(), foreach=FOREACH, **ADAMW)
+    else:
+        opt = torch.optim.SGD(net.parameters(), foreach=FOREACH, **SGD)
+    scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" and dev.type != "meta" else None
+    gen = torch.Generator().manual_seed(seed)
+    options = {
+        "optimizer": spec.optimizer, "foreach": FOREACH,
+        "attn_implementation": getattr(getattr(net, "config", None), "_attn_implementation", None),
+    }
+    return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen)
