@@ -6,6 +6,7 @@ displayed (the MemTracker convention).
 
 from __future__ import annotations
 
+import numbers
 import re
 
 _UNITS = {
@@ -25,11 +26,11 @@ def parse_bytes(value) -> int:
     """
     if isinstance(value, bool):
         raise ValueError(f"invalid byte size {value!r}")
-    if isinstance(value, int):
+    if isinstance(value, numbers.Integral):  # numpy ints too (DataFrame cells)
         if value < 0:
             raise ValueError(f"byte size must not be negative, got {value}")
-        return value
-    if isinstance(value, float):
+        return int(value)
+    if isinstance(value, numbers.Real):
         if value < 0 or value != value:
             raise ValueError(f"byte size must be a non-negative number, got {value}")
         return int(value)

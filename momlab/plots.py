@@ -1,0 +1,622 @@
+"""The paper's figures as pure functions: a DataFrame of records in, a Figure out.
+
+Records are rows of ``Measurement.to_dict()`` (or ``momlab.reference.paper_runs()``),
+with the size either as a ``size`` dict column or as ``size.<keyword>`` columns.
+An optional ``source`` column ("momlab" / "paper"; the paper table's raw
+file:line counts as "paper") tells the two apart: where a frame holds both,
+the paper's lines are dotted with hollow markers and its bars hatched. Every MOM
+has one colour and marker in every figure (``MOM_STYLE``: seaborn's colorblind
+palette, exact black); combinations are dashed. Figures are built with
+``matplotlib.figure.Figure`` (no pyplot state); ``save`` writes PNG and PDF.
+
+- ``memory_breakdown``: stacked bars of activations, model-related (weights,
+  gradients, optimizer state) and workspace (paper Figure 1).
+- ``batch_curves``: S1, throughput against batch size, a panel per model, a
+  black x where a MOM ran out of memory (paper case-study figures).
+- ``largest_model``: S2, the largest trainable size per MOM, with the
+  throughput there.
+- ``size_curves``: S2', maximum throughput against depth or width.
+- ``gpu_count``: MOM/exact ratio of maximum throughput against GPU count.
+- ``compare_table``: our S1 ratios beside the paper's.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import seaborn as sns
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+
+from momlab.reference import UNITS
+from momlab.units import format_bytes, parse_bytes
+
+_CB = sns.color_palette("colorblind")  # blue orange green red purple brown pink gray yellow cyan
+_DARK = sns.color_palette("dark")
+EXACT_COLOR = "#222222"
+
+# One colour and marker per MOM, the same in every figure: seaborn's colorblind
+# palette, and its "dark" twin where ten colours run out or are too pale on
+# white (yellow, light pink); the pairs drawn together most often (quant4 and
+# quant4+swap, ckpt and swap+ckpt) get the most distinct hues. Markers avoid
+# "x", which marks an out-of-memory. Combinations are dashed.
+MOM_STYLE: dict[str, dict] = {
+    "exact": {"color": EXACT_COLOR, "marker": "o", "label": "Exact"},
+    "ckpt": {"color": _CB[0], "marker": "s", "label": "Checkpoint"},
+    "ckpt-selective": {"color": _CB[9], "marker": "s", "label": "Checkpoint (selective)"},
+    "ckpt-auto": {"color": _DARK[9], "marker": "p", "label": "Checkpoint (auto)"},
+    "ckpt-dtr": {"color": _DARK[0], "marker": "h", "label": "Checkpoint (DTR)"},
+    "swap": {"color": _CB[2], "marker": "v", "label": "Swap"},
+    "quant8": {"color": _DARK[8], "marker": "^", "label": "Quantize 8-bit"},
+    "quant4": {"color": _CB[4], "marker": "^", "label": "Quantize 4-bit"},
+    "quant2": {"color": _DARK[4], "marker": "<", "label": "Quantize 2-bit"},
+    "quant4+swap": {"color": _CB[1], "marker": "P", "label": "Quantize+Swap"},
+    "quant4+ckpt": {"color": _DARK[6], "marker": "D", "label": "Quantize+Checkpoint"},
+    "swap+ckpt": {"color": _CB[7], "marker": "d", "label": "Swap+Checkpoint"},
+}
+# colours no MOM above uses, for names outside MOM_STYLE (chosen by hash)
+_SPARE = [_CB[3], _CB[5], _DARK[1], _DARK[2], _DARK[5], _DARK[7]]
+for _name, _style in MOM_STYLE.items():
+    _style["linestyle"] = "--" if "+" in _name else "-"
+
+# stacked categories of the memory breakdown, bottom to top
+BREAKDOWN = {"activations": _CB[0], "model-related": _CB[1], "workspace": _CB[2]}
+OOM_MARKER = {"marker": "x", "color": "black", "markersize": 9, "markeredgewidth": 2.2,
+              "linestyle": "none"}
+DIM_LABELS = {
+    "num_layers": "depth (number of layers)",
+    "hidden_size": "width (hidden size)",
+    "width_per_group": "width (channels per group)",
+    "seq_len": "sequence length",
+    "image_size": "input resolution (px)",
+    "num_heads": "attention heads",
+}
+
+
+def mom_style(mom: str) -> dict:
+    """Colour, marker, line style and label of a MOM; stable for names not in
+    ``MOM_STYLE`` too (a combination in another order finds its entry; an
+    unknown name gets a colour from its hash)."""
+    if mom in MOM_STYLE:
+        return dict(MOM_STYLE[mom])
+    atoms = set(mom.split("+"))
+    for name, style in MOM_STYLE.items():
+        if set(name.split("+")) == atoms:
+            return dict(style)
+    color = _SPARE[zlib.crc32(mom.encode()) % len(_SPARE)]
+    return {"color": color, "marker": "*", "label": mom,
+            "linestyle": "--" if "+" in mom else "-"}
+
+
+def _moms_in_order(moms) -> list[str]:
+    known = list(MOM_STYLE)
+    present = list(dict.fromkeys(moms))
+    return sorted(present, key=lambda m: (known.index(m) if m in known else len(known), m))
+
+
+def _prepare(df: pd.DataFrame) -> pd.DataFrame:
+    """A copy with ``size.<keyword>`` columns, expanded from a ``size`` dict if needed."""
+    df = df.copy()
+    if "size" in df.columns and not any(c.startswith("size.") for c in df.columns):
+        sizes = pd.DataFrame([s if isinstance(s, dict) else {} for s in df["size"]], index=df.index)
+        for k in sizes.columns:
+            df[f"size.{k}"] = sizes[k]
+    if "fits" in df.columns:
+        df["fits"] = df["fits"].astype(bool)
+    return df
+
+
+# where a row comes from; drawn apart only when a frame holds both
+PAPER_LINE = {"linestyle": ":", "alpha": 0.8, "markerfacecolor": "none"}
+
+
+def _origin(df: pd.DataFrame) -> pd.Series:
+    """"momlab" or "paper" per row, from the optional ``source`` column: a row
+    is momlab's when it has no source or source "momlab", the paper's
+    otherwise (``reference.paper_runs`` keeps the raw file:line there)."""
+    if "source" not in df.columns:
+        return pd.Series("momlab", index=df.index)
+    src = df["source"]
+    return src.where(src.isna() | (src == "momlab"), "paper").fillna("momlab")
+
+
+def _line_kw(mom: str, origin: str, mixed: bool) -> dict:
+    s = mom_style(mom)
+    kw = {"color": s["color"], "marker": s["marker"], "linestyle": s["linestyle"],
+          "label": s["label"], "markersize": 5, "linewidth": 1.6}
+    if mixed and origin == "paper":
+        kw.update(PAPER_LINE, label=f"{s['label']} (paper)")
+    return kw
+
+
+def _origin_handles(mixed: bool) -> list:
+    if not mixed:
+        return []
+    return [Line2D([], [], color="gray", marker="o", label="momlab"),
+            Line2D([], [], color="gray", marker="o", label="paper", **PAPER_LINE)]
+
+
+def _size_label(row: pd.Series, columns: list[str]) -> str:
+    parts = [f"{c[5:]}={int(row[c])}" for c in columns if pd.notna(row[c])]
+    return ", ".join(parts)
+
+
+def _unique(df: pd.DataFrame, column: str):
+    if column not in df.columns:
+        return None
+    values = df[column].dropna().unique()
+    return values[0] if len(values) == 1 else None
+
+
+def _budget(budget) -> int | None:
+    """Bytes of a budget given as int, "2GiB" or a DataFrame cell; None when absent."""
+    if budget is None or budget is pd.NA:
+        return None
+    if isinstance(budget, np.generic):  # what a DataFrame cell holds
+        budget = budget.item()
+    if isinstance(budget, float) and math.isnan(budget):
+        return None
+    return parse_bytes(budget)
+
+
+def _env_device(df: pd.DataFrame):
+    """The device name of ``Measurement.env`` dicts, when all rows share one."""
+    if "env" not in df.columns:
+        return None
+    names = {e.get("device_name") for e in df["env"] if isinstance(e, dict)} - {None}
+    return names.pop() if len(names) == 1 else None
+
+
+def describe(df: pd.DataFrame | None = None, *, device=None, precision=None, budget=None) -> str:
+    """The measurement context for a title: device, precision, budget, and how
+    memory was obtained ("emulated budget (CPU)" for a budget enforced on the
+    CPU accounting, "predicted" for estimates). Values not passed are taken
+    from ``df`` where a column holds a single one."""
+    if df is not None:
+        device = device or _unique(df, "gpu") or _unique(df, "env.device_name") \
+            or _env_device(df) or _unique(df, "device")
+        precision = precision or _unique(df, "precision")
+        if budget is None:
+            budget = _unique(df, "budget")
+    source = _unique(df, "memory_source") if df is not None else None
+    parts = [str(p) for p in (device, precision) if p]
+    budget = _budget(budget)
+    if budget is not None:
+        parts.append(f"budget {format_bytes(budget)}")
+        if source == "cpu-emulated":
+            parts.append("emulated budget (CPU)")
+    if source == "predicted":
+        parts.append("predicted")
+    return " · ".join(parts)
+
+
+def _title(fig: Figure, title: str | None, context: str) -> None:
+    text = " — ".join(t for t in (title, context) if t)
+    if text:
+        # wrapped to the figure's width (about 11 characters per inch at 11 pt)
+        width = max(20, int(fig.get_figwidth() * 11))
+        fig.suptitle(textwrap.fill(text, width), fontsize=11)
+
+
+def _unit_for(model: str | None, unit: str | None) -> str:
+    return unit or UNITS.get(model or "", "samples/s")
+
+
+def _bytes_unit(max_bytes: float) -> tuple[str, float]:
+    for name, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if max_bytes >= size:
+            return name, size
+    return "B", 1
+
+
+def memory_breakdown(df: pd.DataFrame, *, title: str | None = "Memory breakdown",
+                     device=None, precision=None, budget=None, unit: str | None = None) -> Figure:
+    """Stacked bars per record: activations, model-related (``model_bytes`` if
+    the frame has it, else params + grads + optimizer) and workspace, in GiB,
+    MiB or KiB by the data's range (``unit`` forces one). Bars are labelled by
+    model, with MOM and batch size where the frame holds several; negative
+    values (the paper's GPT offloading runs) are drawn as zero. A ``budget``
+    draws a dashed line."""
+    df = _prepare(df).reset_index(drop=True)
+    if df.empty:
+        raise ValueError("memory_breakdown needs at least one record")
+    act = df["activation_bytes"].astype(float).fillna(0)
+    if "model_bytes" in df.columns and df["model_bytes"].notna().all():
+        model = df["model_bytes"].astype(float)
+    else:
+        parts = [c for c in ("params_bytes", "grads_bytes", "optimizer_bytes") if c in df.columns]
+        if not parts:
+            raise ValueError("need model_bytes or params_bytes/grads_bytes/optimizer_bytes columns")
+        model = df[parts].astype(float).fillna(0).sum(axis=1)
+    work = df["workspace_bytes"].astype(float).fillna(0) if "workspace_bytes" in df.columns \
+        else pd.Series(0.0, index=df.index)
+    stack = {"activations": act.clip(lower=0), "model-related": model.clip(lower=0),
+             "workspace": work.clip(lower=0)}
+    total = sum(stack.values())
+    budget_bytes = _budget(budget)
+    top = max(float(total.max()), float(budget_bytes or 0))
+    names = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+    if unit is not None and unit not in names:
+        raise ValueError(f"unit must be one of {list(names)}, got {unit!r}")
+    unit, scale = (unit, names[unit]) if unit else _bytes_unit(top)
+
+    df["_origin"] = _origin(df)
+    mixed = df["_origin"].nunique() > 1
+
+    def several(col):
+        return col in df.columns and df[col].nunique() > 1
+    # a bar's label names what differs between bars; what all share goes in the title
+    labels = []
+    for _, r in df.iterrows():
+        parts = [str(r["model"])] if several("model") or not several("mom") else []
+        if several("mom"):
+            parts.append(mom_style(r["mom"])["label"])
+        if several("batch_size"):
+            parts.append(f"batch {int(r['batch_size'])}")
+        if mixed:
+            parts.append(f"({r['_origin']})")
+        labels.append("\n".join(parts))
+    shared = [str(df["model"].iloc[0])] if "model" in df.columns and not several("model") \
+        and several("mom") else []
+    if "batch_size" in df.columns and not several("batch_size"):
+        shared.append(f"batch {int(df['batch_size'].iloc[0])}")
+    if shared and title:
+        title = f"{title} ({', '.join(shared)})"
+
+    fig = Figure(figsize=(max(4.0, 0.75 * len(df) + 1.5), 4.2), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(df))
+    bottom = np.zeros(len(df))
+    for name, values in stack.items():
+        heights = values.to_numpy() / scale
+        ax.bar(x, heights, bottom=bottom, color=BREAKDOWN[name], label=name, width=0.6)
+        bottom += heights
+    if budget_bytes:
+        ax.axhline(budget_bytes / scale, color="black", linestyle="--", linewidth=1,
+                   label=f"budget {format_bytes(budget_bytes)}")
+    ax.set_xticks(x, labels, rotation=0 if len(df) <= 6 else 60,
+                  ha="center" if len(df) <= 6 else "right", fontsize=9)
+    ax.set_ylabel(f"memory ({unit})")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.legend(fontsize=8, ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    _title(fig, title, describe(df, device=device, precision=precision, budget=budget))
+    return fig
+
+
+def _with_size_label(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with a ``_size`` column: its size keywords as text ("" when none)."""
+    cols = sorted(c for c in df.columns if c.startswith("size."))
+    if not cols or df.empty:
+        return df.assign(_size="")
+    return df.assign(_size=df.apply(lambda r: _size_label(r, cols), axis=1))
+
+
+def _panel_keys(df: pd.DataFrame, models) -> list[tuple[str, str]]:
+    """(model, size label) of each panel, in the order given or first seen."""
+    order = list(models) if models is not None else list(dict.fromkeys(df["model"]))
+    keys = []
+    for m in order:
+        sizes = list(dict.fromkeys(df.loc[df["model"] == m, "_size"]))
+        if not sizes:
+            raise ValueError(f"no records for model {m!r}; models present: "
+                             f"{sorted(df['model'].unique())}")
+        keys += [(m, s) for s in sizes]
+    return keys
+
+
+def _grid(n: int, ncols: int | None, panel=(4.2, 3.2), min_width: float = 6.0):
+    ncols = ncols or min(n, 3)
+    nrows = math.ceil(n / ncols)
+    # a single panel still gets room for the legend and the title
+    fig = Figure(figsize=(max(panel[0] * ncols, min_width), panel[1] * nrows + 1.1),
+                 layout="constrained")
+    axes = np.atleast_1d(fig.subplots(nrows, ncols, squeeze=False)).ravel()
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    return fig, axes[:n]
+
+
+def _mom_legend(fig: Figure, moms, *, oom: bool, extra: list | None = None) -> None:
+    handles = [Line2D([], [], color=mom_style(m)["color"], marker=mom_style(m)["marker"],
+                      linestyle=mom_style(m)["linestyle"], label=mom_style(m)["label"])
+               for m in moms]
+    if oom:
+        handles.append(Line2D([], [], label="out of memory", **OOM_MARKER))
+    handles += extra or []
+    # as many columns as fit the figure's width (about 1.9 inch an entry)
+    ncols = max(1, min(len(handles), int(fig.get_figwidth() / 1.9)))
+    fig.legend(handles=handles, loc="outside lower center", ncols=ncols, fontsize=8,
+               frameon=False)
+
+
+def _markevery(n: int, most: int = 14) -> list[int]:
+    """Indices of at most ``most`` markers, first and last included: dense
+    sweeps (the paper's BERT has 100 batches) otherwise draw a solid band."""
+    if n <= most:
+        return list(range(n))
+    return sorted(set(np.linspace(0, n - 1, most).round().astype(int).tolist()))
+
+
+def batch_curves(df: pd.DataFrame, *, models: list[str] | None = None,
+                 moms: list[str] | None = None, title: str | None = "Throughput against batch size",
+                 unit: str | None = None, device=None, precision=None, budget=None,
+                 ncols: int | None = None) -> Figure:
+    """S1: a panel per model (and per size, where the frame holds several),
+    throughput against batch size, a line per MOM through the batches that fit
+    (the best run where a batch was repeated). A black x marks where a MOM ran
+    out of memory: at the first failing batch above its last fitting one, at
+    that point's height; at zero when no batch fits. A MOM whose sweep
+    recorded no failure gets no x: its last point is a lower bound.
+    Throughput is samples per second over all devices of a run (img/s or
+    seq/s for the paper's models; ``unit`` overrides)."""
+    df = _prepare(df)
+    if moms is not None:
+        df = df[df["mom"].isin(moms)]
+    if df.empty:
+        raise ValueError("batch_curves needs at least one record")
+    df = _with_size_label(df).assign(_origin=_origin(df))
+    mixed = df["_origin"].nunique() > 1
+    keys = _panel_keys(df, models)
+    fig, axes = _grid(len(keys), ncols)
+    all_moms, any_oom = [], False
+    for ax, (model, size) in zip(axes, keys):
+        panel = df[(df["model"] == model) & (df["_size"] == size)]
+        for mom in _moms_in_order(panel["mom"]):
+            for origin, runs in panel[panel["mom"] == mom].groupby("_origin", sort=True):
+                ok = runs[runs["fits"] & runs["throughput"].notna()]
+                curve = ok.groupby("batch_size")["throughput"].max().sort_index()
+                if len(curve):
+                    ax.plot(curve.index, curve.to_numpy(), markevery=_markevery(len(curve)),
+                            **_line_kw(mom, origin, mixed))
+                failed = runs.loc[~runs["fits"], "batch_size"].dropna()
+                if len(curve):
+                    failed = failed[failed > curve.index.max()]
+                if len(failed):
+                    y = float(curve.iloc[-1]) if len(curve) else 0.0
+                    ax.plot([failed.min()], [y], gid="oom", label="_oom", zorder=5, **OOM_MARKER)
+                    any_oom = True
+            all_moms.append(mom)
+        origins = set(panel["_origin"])
+        suffix = f" — {origins.pop()}" if mixed and len(origins) == 1 else ""
+        ax.set_title(model + (f" ({size})" if size else "") + suffix, fontsize=10)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(f"throughput ({_unit_for(model, unit)})")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    _mom_legend(fig, _moms_in_order(all_moms), oom=any_oom, extra=_origin_handles(mixed))
+    _title(fig, title, describe(df, device=device, precision=precision, budget=budget))
+    return fig
+
+
+def _largest_table(df: pd.DataFrame, dim: str | None,
+                   batch_size: int | None) -> tuple[pd.DataFrame, str]:
+    """(mom, largest, throughput, _origin) from an S2 summary or raw records."""
+    df = df.assign(_origin=_origin(df))
+    cols = ["mom", "largest", "throughput", "_origin"]
+    if batch_size is not None and "batch_size" in df.columns:
+        df = df[df["batch_size"] == batch_size]
+    if "largest" in df.columns:  # momlab.metrics.s2_summary
+        d = dim or _unique(df, "dim") or "size"
+        if dim is not None and "dim" in df.columns:
+            df = df[df["dim"] == dim]
+        tp = "throughput_at_largest" if "throughput_at_largest" in df.columns else "throughput"
+        table = df.rename(columns={tp: "throughput"})[cols]
+    elif dim is None:
+        raise ValueError("pass dim= (a size keyword) for raw records or a paper_largest table")
+    elif dim in df.columns and "fits" not in df.columns:  # momlab.reference.paper_largest
+        d, table = dim, df.rename(columns={dim: "largest"})[cols]
+    else:
+        d, col = dim, f"size.{dim}"
+        if col not in df.columns:
+            raise ValueError(f"no column {col!r}; size columns: "
+                             f"{[c for c in df.columns if c.startswith('size.')]}")
+        rows = []
+        for (mom, origin), g in df.groupby(["mom", "_origin"]):
+            ok = g[g["fits"] & g[col].notna()]
+            largest = ok[col].max() if len(ok) else 0
+            rows.append({"mom": mom, "largest": largest, "_origin": origin,
+                         "throughput": ok.loc[ok[col] == largest, "throughput"].max()
+                         if len(ok) else math.nan})
+        table = pd.DataFrame(rows, columns=cols)
+    dup = table.duplicated(["mom", "_origin"], keep=False)
+    if dup.any():
+        raise ValueError(f"several rows for MOM {table.loc[dup, 'mom'].iloc[0]!r}: pass "
+                         "batch_size= or select one configuration and size keyword first")
+    return table, d
+
+
+def largest_model(df_s2: pd.DataFrame, *, dim: str | None = None, batch_size: int | None = None,
+                  title: str | None = None, unit: str | None = None, device=None,
+                  precision=None, budget=None) -> Figure:
+    """S2: a bar per MOM, the largest model size that trains (at ``batch_size``),
+    annotated with the throughput at that size. Takes raw records (with
+    ``dim``), a ``metrics.s2_summary`` table or a ``reference.paper_largest``
+    one. A MOM for which no size fits gets an empty bar marked "none fits";
+    the paper's bars are hatched when the frame also holds momlab's."""
+    table, d = _largest_table(_prepare(df_s2), dim, batch_size)
+    mixed = table["_origin"].nunique() > 1
+    order = {m: i for i, m in enumerate(_moms_in_order(table["mom"]))}
+    table = table.assign(_k=table["mom"].map(order)).sort_values(["_k", "_origin"]) \
+        .reset_index(drop=True)
+    model = _unique(df_s2, "model")
+    u = _unit_for(model, unit)
+    fig = Figure(figsize=(max(4.0, 0.9 * len(table) + 1.5), 4.0), layout="constrained")
+    ax = fig.subplots()
+    x = np.arange(len(table))
+    heights = table["largest"].fillna(0).astype(float).to_numpy()
+    colors = [mom_style(m)["color"] for m in table["mom"]]
+    bars = ax.bar(x, heights, color=colors, width=0.6)
+    for bar, h, tp, origin in zip(bars, heights, table["throughput"], table["_origin"]):
+        if mixed and origin == "paper":
+            bar.set_hatch("//")
+            bar.set_edgecolor("white")
+        text = "none fits" if h == 0 else (f"{tp:.3g} {u}" if pd.notna(tp) else "not timed")
+        ax.annotate(text, (bar.get_x() + bar.get_width() / 2, h), xytext=(0, 3),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=8)
+    labels = [mom_style(m)["label"] + (f"\n({o})" if mixed else "")
+              for m, o in zip(table["mom"], table["_origin"])]
+    ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=9)
+    ax.set_ylabel(f"largest {DIM_LABELS.get(d, d)}")
+    ax.set_ylim(top=max(heights.max(), 1) * 1.15)
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    what = title or "Largest trainable model" + (f" ({model})" if model else "") \
+        + (f", batch {batch_size}" if batch_size else "")
+    _title(fig, what, describe(df_s2, device=device, precision=precision, budget=budget))
+    return fig
+
+
+def _curve_table(df: pd.DataFrame, dim: str) -> pd.DataFrame:
+    """(mom, value, max_throughput, _origin) from S2' summaries
+    (``reference.paper_scaling``: a ``<dim>`` column; ``metrics.s2prime``:
+    ``dim`` and ``value``), from raw records, or from a mix of them."""
+    df = df.assign(_origin=_origin(df))
+    col = f"size.{dim}"
+    parts = []
+    if "max_throughput" in df.columns:
+        summary = df[df["max_throughput"].notna()]
+        if "dim" in summary.columns:
+            summary = summary[summary["dim"].isna() | (summary["dim"] == dim)]
+        value = summary[dim] if dim in summary.columns else pd.Series(np.nan, index=summary.index)
+        if "value" in summary.columns:
+            value = value.fillna(summary["value"])
+        parts.append(summary.assign(value=value)[["mom", "value", "max_throughput", "_origin"]])
+        df = df[df["max_throughput"].isna()]
+    if "throughput" in df.columns and len(df):
+        if col not in df.columns:
+            raise ValueError(f"no column {col!r}; size columns: "
+                             f"{[c for c in df.columns if c.startswith('size.')]}")
+        ok = df[df["fits"] & df["throughput"].notna() & df[col].notna()]
+        parts.append(ok.groupby(["mom", col, "_origin"])["throughput"].max()
+                     .rename("max_throughput").reset_index().rename(columns={col: "value"}))
+    if not parts:
+        raise ValueError(f"need size.{dim} records or a table with max_throughput")
+    table = pd.concat(parts, ignore_index=True)
+    return table[table["value"].notna()]
+
+
+def size_curves(df: pd.DataFrame, dim: str, *, title: str | None = None, unit: str | None = None,
+                device=None, precision=None, budget=None) -> Figure:
+    """S2': maximum throughput (over every batch that fits) against model size
+    along ``dim`` (a size keyword: num_layers for depth, hidden_size or
+    width_per_group for width), a line per MOM. Where a MOM's line rises above
+    exact's is where it starts to pay. Takes raw records, a
+    ``metrics.s2prime`` table or a ``reference.paper_scaling`` one (and a
+    concatenation of them, told apart by ``source``)."""
+    dim = dim.removeprefix("size.")
+    table = _curve_table(_prepare(df), dim)
+    if table.empty:
+        raise ValueError(f"no timed run that fits along {dim!r}")
+    mixed = table["_origin"].nunique() > 1
+    model = _unique(df, "model")
+    fig = Figure(figsize=(5.2, 4.4), layout="constrained")
+    ax = fig.subplots()
+    for mom in _moms_in_order(table["mom"]):
+        for origin, t in table[table["mom"] == mom].groupby("_origin", sort=True):
+            t = t.sort_values("value")
+            ax.plot(t["value"], t["max_throughput"], **_line_kw(mom, origin, mixed))
+    ax.set_xlabel(DIM_LABELS.get(dim, dim))
+    ax.set_ylabel(f"max throughput ({_unit_for(model, unit)})")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, frameon=False)
+    what = title or f"Max throughput against {DIM_LABELS.get(dim, dim).split(' (')[0]}" \
+        + (f" ({model})" if model else "")
+    _title(fig, what, describe(df, device=device, precision=precision, budget=budget))
+    return fig
+
+
+def gpu_count(df: pd.DataFrame, *, moms: list[str] | None = None,
+              title: str | None = "MOM/Exact max throughput against GPU count",
+              device=None, precision=None, ncols: int | None = None) -> Figure:
+    """MOM/exact ratio of maximum throughput against the number of GPUs, a
+    panel per model and a line per MOM; the dashed line at 1 is exact. Takes
+    a ``reference.paper_gpu_count`` table (model, mom, gpus, ratio) or any
+    frame with model, mom, gpus and max_throughput (ratios computed here);
+    ``moms`` keeps only those."""
+    df = df.copy()
+    if "ratio" not in df.columns:
+        origin = _origin(df)
+        exact = df[df["mom"] == "exact"].assign(_o=origin) \
+            .set_index(["model", "gpus", "_o"])["max_throughput"]
+        df["ratio"] = [t / exact.get((m, g, o), math.nan) for m, g, o, t in
+                       zip(df["model"], df["gpus"], origin, df["max_throughput"])]
+    if moms is not None:
+        df = df[df["mom"].isin(set(moms) | {"exact"})]
+    df["_origin"] = _origin(df)
+    mixed = df["_origin"].nunique() > 1
+    models = list(dict.fromkeys(df["model"]))
+    fig, axes = _grid(len(models), ncols, panel=(3.6, 3.2))
+    all_moms = []
+    for ax, model in zip(axes, models):
+        panel = df[(df["model"] == model) & (df["mom"] != "exact")]
+        for mom in _moms_in_order(panel["mom"]):
+            for origin, t in panel[panel["mom"] == mom].groupby("_origin", sort=True):
+                t = t.sort_values("gpus")
+                ax.plot(t["gpus"], t["ratio"], **_line_kw(mom, origin, mixed))
+            all_moms.append(mom)
+        ax.axhline(1.0, color=EXACT_COLOR, linestyle="--", linewidth=1, gid="exact")
+        counts = sorted(df.loc[df["model"] == model, "gpus"].unique())
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.minorticks_off()
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("number of GPUs (data parallel)")
+        ax.set_ylabel("max throughput / Exact's")
+        ax.grid(alpha=0.3)
+    exact = Line2D([], [], color=EXACT_COLOR, linestyle="--", label="Exact (= 1)")
+    _mom_legend(fig, _moms_in_order(all_moms), oom=False,
+                extra=[exact] + _origin_handles(mixed))
+    _title(fig, title, describe(df, device=device, precision=precision))
+    return fig
+
+
+def compare_table(ours_s1: pd.DataFrame, paper_s1: pd.DataFrame) -> pd.DataFrame:
+    """Our S1 beside the paper's, per (model, mom): ratio (max throughput over
+    exact's), max batch and max throughput of each, and ``same_verdict``
+    (both ratios on the same side of 1). Takes ``metrics.s1_summary`` or
+    ``reference.paper_s1`` tables (ratios computed if absent); ours must hold
+    one configuration per (model, mom). Rows only one side has stay, with NaN."""
+    def norm(t: pd.DataFrame, name: str) -> pd.DataFrame:
+        t = t.copy()
+        dup = t.duplicated(["model", "mom"], keep=False)
+        if dup.any():
+            raise ValueError(f"{name} holds several rows per (model, mom), e.g. "
+                             f"{t.loc[dup, ['model', 'mom']].iloc[0].tolist()}; "
+                             "select one configuration (device, precision, budget, size) first")
+        if "ratio" not in t.columns:
+            exact = t[t["mom"] == "exact"].set_index("model")["max_throughput"]
+            t["ratio"] = t["max_throughput"] / t["model"].map(exact)
+        cols = ["ratio", "max_batch_size", "max_throughput"]
+        return t[["model", "mom"] + [c for c in cols if c in t.columns]] \
+            .rename(columns={c: f"{c}_{name}" for c in cols})
+    out = norm(ours_s1, "ours").merge(norm(paper_s1, "paper"), on=["model", "mom"], how="outer")
+    verdict = [pd.NA if pd.isna(a) or pd.isna(b) else bool((a > 1) == (b > 1))
+               for a, b in zip(out["ratio_ours"], out["ratio_paper"])]
+    out["same_verdict"] = pd.array(verdict, dtype="boolean")
+    models = list(dict.fromkeys([*ours_s1["model"], *paper_s1["model"]]))
+    moms = _moms_in_order(out["mom"])
+    out = out.assign(_m=out["model"].map(models.index), _k=out["mom"].map(moms.index)) \
+        .sort_values(["_m", "_k"]).drop(columns=["_m", "_k"]).reset_index(drop=True)
+    order = ["model", "mom", "ratio_ours", "ratio_paper", "same_verdict"]
+    return out[order + [c for c in out.columns if c not in order]]
+
+
+def save(fig: Figure, path_without_ext: str | Path) -> list[Path]:
+    """Write ``<path>.png`` (150 dpi) and ``<path>.pdf``; return both paths."""
+    base = Path(path_without_ext)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    paths = [base.with_name(base.name + ".png"), base.with_name(base.name + ".pdf")]
+    fig.savefig(paths[0], dpi=150)
+    fig.savefig(paths[1])
+    return paths
+
+
+__all__ = ["MOM_STYLE", "mom_style", "describe", "memory_breakdown", "batch_curves",
+           "largest_model", "size_curves", "gpu_count", "compare_table", "save"]

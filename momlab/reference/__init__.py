@@ -1,0 +1,313 @@
+"""The paper's own V100 measurements, as a tidy table, and its headline numbers.
+
+``paper_v100.csv`` beside this file holds one row per run of the paper's
+benchmark code (Liu, Jha, Cheung, "An Evaluation of Memory Optimization
+Methods for Training Neural Networks", arXiv 2303.14633), derived from its raw
+logs by ``scripts/derive_reference.py``, whose docstring says how names, units,
+copies and odd files were handled. Columns follow ``Measurement`` where they
+mean the same thing:
+
+- ``model``, ``mom``: momlab names (raw names where momlab has none);
+  ``algorithm`` keeps the raw label, ``source`` the raw ``file:line``.
+- ``batch_size``: per GPU. ``gpus``: data-parallel GPUs (V100 16 GB each).
+- ``throughput``: samples per second summed over all GPUs; NaN when the run
+  did not fit or was not timed. ``fits``: False for an out-of-memory.
+- ``size.num_layers``, ``size.hidden_size``, ``size.width_per_group``,
+  ``size.seq_len``, ``size.num_heads``: the model size where it was varied.
+- ``peak_bytes`` (allocator peak), ``activation_bytes``, ``workspace_bytes``,
+  ``model_bytes`` (weights + gradients + optimizer state), ``params_bytes``
+  (weights), ``total_bytes`` (allocated at the end of forward): the paper's
+  own definitions, per GPU, as measured (not momlab's).
+- ``budget``: the memory budget of DTR runs. ``experiment``: which study the
+  run belongs to (speed, mem, depth, width, max_depth, ...).
+
+The functions below select the runs behind each of the paper's results:
+``paper_s1`` (S1: the ``speed`` sweeps on one GPU at the paper's precision and
+default size), ``paper_gpu_count`` (the same on 1-8 GPUs), ``paper_scaling``
+(S2': the ``depth``/``width`` batch searches), ``paper_largest`` (S2: the
+``max_depth``/``max_width`` sweeps at batch 24) and
+``paper_memory_per_sample`` (the ``mem`` sweeps). ``paper_runs`` is the
+whole table. ``tests/test_reference.py`` checks them against the numbers
+../shared/paper/BRIEF.md quotes.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+CSV = Path(__file__).with_name("paper_v100.csv")
+
+GPU = "V100-16GB"
+
+# the models of the paper's S1 table, in its order
+MODELS = ["resnet50", "wide-resnet50-2", "resnet152", "swin-large", "bert-large",
+          "gpt3-small", "gpt3-medium"]
+MOMS = ["exact", "ckpt", "ckpt-dtr", "quant4", "quant4+swap", "swap", "quant4+ckpt",
+        "swap+ckpt"]
+
+# the precision each model was trained in for the paper's headline results
+PRECISION = {
+    "resnet50": "fp32", "wide-resnet50-2": "fp32", "resnet152": "fp32",
+    "swin-large": "fp16", "bert-large": "fp16", "gpt3-small": "fp16",
+    "gpt3-medium": "fp16",
+}
+# size columns a model's default configuration may carry explicitly
+DEFAULT_SIZE = {"bert-large": {"size.num_layers": 24, "size.hidden_size": 1024}}
+UNITS = {
+    "resnet50": "img/s", "wide-resnet50-2": "img/s", "resnet152": "img/s",
+    "swin-large": "img/s", "bert-large": "seq/s", "gpt3-small": "seq/s",
+    "gpt3-medium": "seq/s",
+}
+SIZE_COLUMNS = ["size.num_layers", "size.hidden_size", "size.width_per_group",
+                "size.seq_len", "size.num_heads"]
+
+
+@functools.lru_cache(maxsize=1)
+def _table() -> pd.DataFrame:
+    df = pd.read_csv(CSV, dtype={"fits": bool, "model": str, "mom": str})
+    for col in ["batch_size", "gpus", *SIZE_COLUMNS, "peak_bytes", "activation_bytes",
+                "workspace_bytes", "model_bytes", "params_bytes", "total_bytes", "budget"]:
+        df[col] = df[col].astype("Int64")
+    df.insert(df.columns.get_loc("precision"), "gpu", GPU)
+    df["device"] = "cuda"
+    df["memory_source"] = "cuda"  # torch.cuda.memory_allocated on the V100s
+    return df
+
+
+def paper_runs() -> pd.DataFrame:
+    """Every run of the paper's raw data, one row each (a fresh copy)."""
+    return _table().copy()
+
+
+def _default_size(df: pd.DataFrame) -> pd.Series:
+    """Rows at their model's default size: size columns empty, or equal to
+    ``DEFAULT_SIZE`` where the raw data writes the default out (BERT-L)."""
+    ok = pd.Series(True, index=df.index)
+    for model, size in DEFAULT_SIZE.items():
+        rows = df["model"] == model
+        for col, value in size.items():
+            ok &= ~rows | df[col].isna() | (df[col] == value)
+    for col in SIZE_COLUMNS:
+        explicit = df["model"].map(lambda m, c=col: c in DEFAULT_SIZE.get(m, {}))
+        ok &= explicit | df[col].isna()
+    return ok
+
+
+def _s1_runs(gpus: int | None = 1) -> pd.DataFrame:
+    """The batch sweeps behind S1: experiment "speed", the paper's precision
+    and default size, on ``gpus`` GPUs (all counts when None)."""
+    df = _table()
+    sel = (df["experiment"] == "speed") & df["model"].isin(PRECISION)
+    sel &= df["precision"] == df["model"].map(PRECISION)
+    sel &= _default_size(df)
+    if gpus is not None:
+        sel &= df["gpus"] == gpus
+    return df[sel]
+
+
+def _s1_table(runs: pd.DataFrame) -> pd.DataFrame:
+    """Per (model, mom): the S1 numbers of a set of batch-sweep runs.
+
+    Columns (named as in ``momlab.metrics.s1_summary``): ``max_batch_size``
+    (largest batch that fit), ``oom_batch_size`` (smallest failing batch above
+    it, <NA> when none was recorded: then ``max_batch_size`` is only a lower
+    bound, the paper's "592+"), ``max_throughput``, ``ratio`` (over the same
+    model's exact), ``best_batch_size`` (batch at the maximum throughput),
+    ``points`` (runs). Unlike ``metrics.s1_summary`` it does not split by
+    budget: the paper's DTR line is the best over its budgets.
+    """
+    rows = []
+    for (model, mom), g in runs.groupby(["model", "mom"], sort=False):
+        ok = g[g["fits"]]
+        timed = ok[ok["throughput"].notna()]
+        max_batch = ok["batch_size"].max() if len(ok) else pd.NA
+        failing = g.loc[~g["fits"], "batch_size"]
+        if max_batch is not pd.NA:
+            failing = failing[failing > max_batch]
+        best = timed.loc[timed["throughput"].idxmax()] if len(timed) else None
+        rows.append({
+            "model": model, "mom": mom,
+            "max_batch_size": max_batch,
+            "oom_batch_size": failing.min() if len(failing) else pd.NA,
+            "max_throughput": best["throughput"] if best is not None else np.nan,
+            "best_batch_size": best["batch_size"] if best is not None else pd.NA,
+            "points": len(g),
+        })
+    out = pd.DataFrame(rows, columns=["model", "mom", "max_batch_size", "oom_batch_size",
+                                      "max_throughput", "best_batch_size", "points"])
+    for col in ["max_batch_size", "oom_batch_size", "best_batch_size"]:
+        out[col] = out[col].astype("Int64")
+    exact = out[out["mom"] == "exact"].set_index("model")["max_throughput"]
+    out.insert(5, "ratio", out["max_throughput"] / out["model"].map(exact))
+    return out
+
+
+def _order(df: pd.DataFrame, *then: str) -> pd.DataFrame:
+    """Rows in the paper's model order, then MOM order, then ``then`` columns."""
+    model_rank = {m: i for i, m in enumerate(MODELS)}
+    mom_rank = {m: i for i, m in enumerate(MOMS)}
+    keys = df.assign(
+        _model=df["model"].map(lambda m: model_rank.get(m, len(MODELS))),
+        _mom=df["mom"].map(lambda m: mom_rank.get(m, len(MOMS))),
+    )
+    by = ["_model", "model", "_mom", "mom", *then]
+    return keys.sort_values(by, kind="stable").drop(columns=["_model", "_mom"]) \
+        .reset_index(drop=True)
+
+
+def paper_s1(gpus: int = 1) -> pd.DataFrame:
+    """The paper's S1 table: per model and MOM on ``gpus`` V100s, the largest
+    batch that fit, the maximum throughput over all batches, and its ratio to
+    exact's (columns as ``_s1_table`` says; ``unit`` is img/s or seq/s).
+
+    >>> s1 = paper_s1()
+    >>> row = s1[(s1.model == "resnet50") & (s1.mom == "quant4")].iloc[0]
+    >>> int(row.max_batch_size), round(float(row.max_throughput), 1), round(float(row.ratio), 2)
+    (480, 282.4, 0.75)
+    """
+    out = _order(_s1_table(_s1_runs(gpus)))
+    out["unit"] = out["model"].map(UNITS)
+    return out
+
+
+def paper_gpu_count(models: list[str] | None = None) -> pd.DataFrame:
+    """MOM/exact ratio of maximum throughput against the number of V100s.
+
+    One row per (model, mom, gpus) for the models with data-parallel runs
+    (BERT-L, GPT3-Small, Swin-L, the ResNets), from the same speed sweeps as
+    ``paper_s1``. Columns: model, mom, gpus, max_throughput (all GPUs
+    together), exact_throughput, ratio, max_batch_size (per GPU).
+
+    The published ``implications_bert_v100_gpu.png`` takes its 1-GPU point from
+    the depth study's 24-layer runs (exact 172.0, ckpt 145.9, quant4 131.4
+    seq/s); this uses the S1 sweep (164.0, 139.1, 109.2), as ``paper_s1`` does.
+    """
+    runs = _s1_runs(gpus=None)
+    if models is not None:
+        runs = runs[runs["model"].isin(models)]
+    counts = runs.groupby("model")["gpus"].nunique()
+    runs = runs[runs["model"].isin(counts[counts > 1].index)]
+    parts = []
+    for gpus, g in runs.groupby("gpus"):
+        s = _s1_table(g)
+        s["gpus"] = gpus
+        parts.append(s)
+    if not parts:
+        raise ValueError(f"no data-parallel runs for models {models}; "
+                         f"models with several GPU counts: {sorted(counts[counts > 1].index)}")
+    out = pd.concat(parts, ignore_index=True)
+    exact = out[out["mom"] == "exact"].set_index(["model", "gpus"])["max_throughput"]
+    out["exact_throughput"] = [exact.get((m, n), np.nan) for m, n in zip(out["model"], out["gpus"])]
+    out = out[["model", "mom", "gpus", "max_throughput", "exact_throughput", "ratio",
+               "max_batch_size"]]
+    return _order(out, "gpus")
+
+
+_DIMS = {"num_layers": "depth", "hidden_size": "width", "width_per_group": "width"}
+
+
+def _dim(dim: str) -> str:
+    d = dim.removeprefix("size.")
+    if d not in _DIMS:
+        raise ValueError(f"unknown scaling dimension {dim!r}; valid: {sorted(_DIMS)}")
+    return d
+
+
+def paper_scaling(dim: str, model: str = "bert-large") -> pd.DataFrame:
+    """S2': per MOM and model size, the maximum throughput over all batches.
+
+    ``dim`` is ``num_layers`` (depth) or ``hidden_size`` / ``width_per_group``
+    (width). Columns: model, mom, ``<dim>``, max_throughput, best_batch_size,
+    max_batch_size. One V100, the model's paper precision. For BERT-L depth the
+    curves cross at 34 layers, where checkpointing overtakes exact.
+    """
+    d = _dim(dim)
+    df = _table()
+    sel = (df["model"] == model) & (df["experiment"] == _DIMS[d]) & (df["gpus"] == 1)
+    sel &= (df["precision"] == PRECISION.get(model, "fp32")) & df[f"size.{d}"].notna()
+    runs = df[sel]
+    if runs.empty:
+        have = df.loc[df["experiment"].isin(["depth", "width"]), ["model", "experiment"]]
+        raise ValueError(f"no {_DIMS[d]} study for {model!r} along {d}; "
+                         f"available: {sorted(set(map(tuple, have.values)))}")
+    rows = []
+    for (mom, size), g in runs.groupby(["mom", f"size.{d}"]):
+        ok = g[g["fits"] & g["throughput"].notna()]
+        if ok.empty:
+            continue
+        best = ok.loc[ok["throughput"].idxmax()]
+        rows.append({"model": model, "mom": mom, d: int(size),
+                     "max_throughput": best["throughput"],
+                     "best_batch_size": int(best["batch_size"]),
+                     "max_batch_size": int(g.loc[g["fits"], "batch_size"].max())})
+    return _order(pd.DataFrame(rows), d)
+
+
+def paper_largest(dim: str, model: str = "bert-large", batch_size: int = 24) -> pd.DataFrame:
+    """S2: per MOM, the largest model size that trains at ``batch_size``.
+
+    Columns: model, mom, ``<dim>`` (largest size that fit), throughput (at
+    it), first_oom (smallest failing size above it, <NA> when the sweep
+    recorded none or lost the size, as the BERT width sweep's OOM markers
+    do). BERT-L depth at batch 24: exact 32 layers, quant4 52, ckpt 60.
+    """
+    d = _dim(dim)
+    exp = "max_depth" if d == "num_layers" else "max_width"
+    df = _table()
+    runs = df[(df["model"] == model) & (df["experiment"] == exp)
+              & (df["batch_size"] == batch_size) & (df["gpus"] == 1)]
+    if runs.empty:
+        have = df.loc[df["experiment"].str.startswith("max_"),
+                      ["model", "experiment", "batch_size"]]
+        raise ValueError(f"no {exp} sweep for {model!r} at batch {batch_size}; "
+                         f"available: {sorted(set(map(tuple, have.values)))}")
+    rows = []
+    for mom, g in runs.groupby("mom", sort=False):
+        ok = g[g["fits"] & g[f"size.{d}"].notna()]
+        largest = ok[f"size.{d}"].max() if len(ok) else pd.NA
+        at = ok[ok[f"size.{d}"] == largest]
+        failing = g.loc[~g["fits"], f"size.{d}"].dropna()
+        if largest is not pd.NA:
+            failing = failing[failing > largest]
+        rows.append({"model": model, "mom": mom, d: largest,
+                     "throughput": at["throughput"].max() if len(at) else np.nan,
+                     "first_oom": failing.min() if len(failing) else pd.NA})
+    out = pd.DataFrame(rows)
+    for col in [d, "first_oom"]:
+        out[col] = out[col].astype("Int64")
+    return _order(out)
+
+
+def paper_memory_per_sample(model: str = "bert-large") -> pd.DataFrame:
+    """Peak memory growth per sample: least-squares slope of ``peak_bytes``
+    against batch size over the paper's memory sweep (one V100, default size).
+
+    Columns: model, mom, bytes_per_sample, intercept_bytes, batches (the
+    number of runs fitted). The paper quotes BERT-L in "MB" that are
+    thousandths of a GiB (its code divides by 1024**3): exact 204, ckpt 20.8,
+    quant4 43.5, quant4+ckpt 8.3 == bytes_per_sample / 2**30 * 1000.
+    """
+    df = _table()
+    sel = (df["model"] == model) & (df["experiment"] == "mem") & (df["gpus"] == 1)
+    sel &= (df["precision"] == PRECISION.get(model, "fp32")) & _default_size(df)
+    runs = df[sel & df["fits"] & df["peak_bytes"].notna()]
+    if runs.empty:
+        raise ValueError(f"no memory sweep for {model!r}; models with one: "
+                         f"{sorted(df.loc[df['experiment'] == 'mem', 'model'].unique())}")
+    rows = []
+    for mom, g in runs.groupby("mom", sort=False):
+        if g["batch_size"].nunique() < 2:
+            continue
+        slope, intercept = np.polyfit(g["batch_size"].astype(float),
+                                      g["peak_bytes"].astype(float), 1)
+        rows.append({"model": model, "mom": mom, "bytes_per_sample": slope,
+                     "intercept_bytes": intercept, "batches": len(g)})
+    return _order(pd.DataFrame(rows))
+
+
+__all__ = ["paper_runs", "paper_s1", "paper_gpu_count", "paper_scaling", "paper_largest",
+           "paper_memory_per_sample", "MODELS", "PRECISION", "UNITS", "GPU"]

@@ -1,0 +1,296 @@
+"""Figures show the data they are given: lines, bars, OOM marks, colours, files."""
+
+import math
+
+import matplotlib.colors as mcolors
+import pandas as pd
+import pytest
+from matplotlib.figure import Figure
+
+from momlab import plots
+from momlab.reference import paper_largest, paper_runs, paper_s1, paper_scaling
+
+MiB, GiB = 2**20, 2**30
+
+
+def rec(model, mom, batch, throughput=None, *, fits=True, size=None, **kw):
+    """One Measurement.to_dict()-like row."""
+    row = {"model": model, "mom": mom, "batch_size": batch, "device": "cpu",
+           "precision": "fp32", "size": size or {}, "fits": fits,
+           "throughput": math.nan if throughput is None or not fits else throughput,
+           "peak_bytes": 0, "params_bytes": 0, "grads_bytes": 0, "optimizer_bytes": 0,
+           "activation_bytes": 0, "workspace_bytes": 0, "budget": None,
+           "memory_source": "cpu-emulated"}
+    row.update(kw)
+    return row
+
+
+@pytest.fixture
+def sweep():
+    return pd.DataFrame([
+        rec("tiny-bert", "exact", 8, 10.0), rec("tiny-bert", "exact", 16, 12.0),
+        rec("tiny-bert", "exact", 16, 11.0),  # a repeat: the best run is drawn
+        rec("tiny-bert", "exact", 32, fits=False), rec("tiny-bert", "exact", 64, fits=False),
+        rec("tiny-bert", "ckpt", 8, 7.0), rec("tiny-bert", "ckpt", 16, 9.0),
+        rec("tiny-bert", "ckpt", 32, 9.5),  # no failure recorded: no x
+        rec("tiny-gpt", "exact", 4, fits=False),  # nothing fits
+        rec("tiny-gpt", "quant4", 4, 3.0), rec("tiny-gpt", "quant4", 8, 5.0),
+        rec("tiny-gpt", "quant4", 12, fits=False),
+    ])
+
+
+def curve_lines(ax):
+    return [ln for ln in ax.lines if ln.get_gid() != "oom"]
+
+
+def oom_marks(ax):
+    return [(float(ln.get_xdata()[0]), float(ln.get_ydata()[0]))
+            for ln in ax.lines if ln.get_gid() == "oom"]
+
+
+def visible_axes(fig):
+    return [ax for ax in fig.axes if ax.get_visible()]
+
+
+def same_color(a, b):
+    return mcolors.to_hex(a) == mcolors.to_hex(b)
+
+
+def test_batch_curves_lines_and_oom_marks(sweep):
+    fig = plots.batch_curves(sweep)
+    assert isinstance(fig, Figure)
+    bert, gpt = visible_axes(fig)
+    assert bert.get_title() == "tiny-bert" and gpt.get_title() == "tiny-gpt"
+    lines = {ln.get_label(): ln for ln in curve_lines(bert)}
+    assert set(lines) == {"Exact", "Checkpoint"}
+    assert list(lines["Exact"].get_xdata()) == [8, 16]
+    assert list(lines["Exact"].get_ydata()) == [10.0, 12.0]
+    # x at the first failing batch above the last fit, at the last point's height
+    assert oom_marks(bert) == [(32.0, 12.0)]
+    # tiny-gpt: exact never fits (x at its first batch, at zero), quant4 fails at 12
+    assert [ln.get_label() for ln in curve_lines(gpt)] == ["Quantize 4-bit"]
+    assert sorted(oom_marks(gpt)) == [(4.0, 0.0), (12.0, 5.0)]
+    for ln in bert.lines + gpt.lines:
+        if ln.get_gid() == "oom":
+            assert ln.get_marker() == "x" and same_color(ln.get_color(), "black")
+
+
+def test_batch_curves_units_and_panels_per_size(sweep):
+    wide = sweep.copy()
+    wide["size"] = [{"hidden_size": 64}] * len(wide)
+    both = pd.concat([sweep.assign(size=[{"hidden_size": 32}] * len(sweep)), wide])
+    fig = plots.batch_curves(both, models=["tiny-bert"])
+    titles = [ax.get_title() for ax in visible_axes(fig)]
+    assert titles == ["tiny-bert (hidden_size=32)", "tiny-bert (hidden_size=64)"]
+    assert visible_axes(fig)[0].get_ylabel() == "throughput (samples/s)"
+    fig = plots.batch_curves(sweep, unit="seq/s")
+    assert visible_axes(fig)[0].get_ylabel() == "throughput (seq/s)"
+
+
+def test_size_dict_and_flat_columns_give_the_same_figure(sweep):
+    flat = sweep.drop(columns="size").assign(**{"size.num_layers": 2})
+    nested = sweep.assign(size=[{"num_layers": 2}] * len(sweep))
+    a, b = plots.batch_curves(flat), plots.batch_curves(nested)
+    for ax_a, ax_b in zip(visible_axes(a), visible_axes(b)):
+        assert ax_a.get_title() == ax_b.get_title()
+        assert oom_marks(ax_a) == oom_marks(ax_b)
+        assert [list(ln.get_ydata()) for ln in ax_a.lines] == \
+            [list(ln.get_ydata()) for ln in ax_b.lines]
+
+
+def test_colours_are_fixed_per_mom_across_figures(sweep):
+    one = plots.batch_curves(sweep)
+    two = plots.batch_curves(sweep[sweep["mom"] != "exact"])  # other MOMs, other order
+    colours = {}
+    for fig in (one, two):
+        for ax in visible_axes(fig):
+            for ln in curve_lines(ax):
+                colours.setdefault(ln.get_label(), set()).add(mcolors.to_hex(ln.get_color()))
+    assert all(len(c) == 1 for c in colours.values())
+    assert colours["Checkpoint"] == {mcolors.to_hex(plots.MOM_STYLE["ckpt"]["color"])}
+    assert colours["Exact"] == {mcolors.to_hex(plots.EXACT_COLOR)}
+    hexes = [mcolors.to_hex(s["color"]) for s in plots.MOM_STYLE.values()]
+    assert len(set(hexes)) == len(hexes)
+    markers = {s["marker"] for s in plots.MOM_STYLE.values()}
+    assert "x" not in markers  # x means out of memory
+    assert plots.mom_style("ckpt+quant4") == plots.MOM_STYLE["quant4+ckpt"]
+    assert plots.mom_style("cpu-off") == plots.mom_style("cpu-off")
+    for mom in ["exact", "ckpt", "ckpt-selective", "ckpt-auto", "swap", "quant8", "quant4",
+                "quant2", "quant4+ckpt", "swap+ckpt", "quant4+swap", "ckpt-dtr"]:
+        assert mom in plots.MOM_STYLE
+
+
+def test_memory_breakdown_stacks_three_categories():
+    df = pd.DataFrame([
+        rec("a", "exact", 4, 1.0, activation_bytes=300 * MiB, params_bytes=100 * MiB,
+            grads_bytes=100 * MiB, optimizer_bytes=200 * MiB, workspace_bytes=50 * MiB),
+        rec("b", "exact", 4, 1.0, activation_bytes=10 * MiB, params_bytes=1 * MiB,
+            grads_bytes=1 * MiB, optimizer_bytes=2 * MiB, workspace_bytes=0),
+    ])
+    fig = plots.memory_breakdown(df, budget="2GiB")
+    ax = fig.axes[0]
+    assert len(ax.containers) == 3 and all(len(c) == 2 for c in ax.containers)
+    assert ax.get_ylabel() == "memory (GiB)"  # the budget sets the range
+    act, model, work = ([bar.get_height() for bar in c] for c in ax.containers)
+    assert act == pytest.approx([300 / 1024, 10 / 1024])
+    assert model == pytest.approx([400 / 1024, 4 / 1024])
+    assert work == pytest.approx([50 / 1024, 0])
+    assert [bar.get_y() for bar in ax.containers[2]] == pytest.approx([700 / 1024, 14 / 1024])
+    budget_lines = [ln for ln in ax.lines if ln.get_linestyle() == "--"]
+    assert budget_lines and budget_lines[0].get_ydata()[0] == pytest.approx(2.0)
+    assert "emulated budget (CPU)" in fig.get_suptitle()
+    small = plots.memory_breakdown(df.iloc[[1]])
+    assert small.axes[0].get_ylabel() == "memory (MiB)"
+
+
+def test_memory_breakdown_uses_model_bytes_of_the_paper_table():
+    runs = paper_runs()
+    bg = runs[(runs["experiment"] == "background") & (runs["model"] == "resnet50")
+              & (runs["batch_size"] == 80)]
+    fig = plots.memory_breakdown(bg.iloc[[0]])
+    act, model, _ = ([bar.get_height() for bar in c] for c in fig.axes[0].containers)
+    assert act[0] == pytest.approx(6513.2 / 1024, abs=1e-3)  # the raw 6513.2 MiB
+    assert model[0] == pytest.approx((6814.45 - 6513.2) / 1024, abs=1e-3)
+    assert "V100-16GB" in fig.get_suptitle()
+
+
+def test_titles_state_device_precision_budget_and_source():
+    df = pd.DataFrame([rec("a", "exact", 4, 1.0, budget=GiB)])
+    assert plots.describe(df) == "cpu · fp32 · budget 1.00 GiB · emulated budget (CPU)"
+    cuda = df.assign(memory_source="cuda", device="cuda")
+    assert plots.describe(cuda, device="A100-80GB", precision="bf16") == \
+        "A100-80GB · bf16 · budget 1.00 GiB"
+    assert plots.describe(df.assign(memory_source="predicted", budget=None)).endswith("predicted")
+    on_gpu = df.assign(device="cuda", memory_source="cuda", budget=None,
+                       env=[{"device_name": "NVIDIA H200"}])
+    assert plots.describe(on_gpu) == "NVIDIA H200 · fp32"
+    fig = plots.batch_curves(df.assign(budget=None), title="S1")
+    assert fig.get_suptitle() == "S1 — cpu · fp32"
+
+
+def test_largest_model_bars_and_annotations():
+    rows = []
+    for mom, fits_up_to in [("exact", 4), ("ckpt", 8), ("quant4", 0)]:
+        for layers in (2, 4, 8, 16):
+            ok = layers <= fits_up_to
+            rows.append(rec("tiny-bert", mom, 24, layers * 1.5 if ok else None, fits=ok,
+                            size={"num_layers": layers}))
+    fig = plots.largest_model(pd.DataFrame(rows), dim="num_layers", batch_size=24)
+    ax = fig.axes[0]
+    assert [b.get_height() for b in ax.patches] == [4, 8, 0]
+    assert [t.get_text() for t in ax.texts] == ["6 samples/s", "12 samples/s", "none fits"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["Exact", "Checkpoint",
+                                                            "Quantize 4-bit"]
+    assert same_color(ax.patches[1].get_facecolor(), plots.MOM_STYLE["ckpt"]["color"])
+
+
+def test_largest_model_from_the_paper_table():
+    fig = plots.largest_model(paper_largest("num_layers"), dim="num_layers", batch_size=24)
+    heights = {t.get_text(): b.get_height()
+               for t, b in zip(fig.axes[0].get_xticklabels(), fig.axes[0].patches)}
+    assert (heights["Exact"], heights["Checkpoint"], heights["Quantize 4-bit"]) == (32, 60, 52)
+    assert "94.9 seq/s" in [t.get_text() for t in fig.axes[0].texts]
+
+
+def test_size_curves_take_the_best_batch_per_size():
+    rows = [rec("m", "exact", b, tp, size={"num_layers": n})
+            for n, b, tp in [(2, 8, 10.0), (2, 16, 14.0), (4, 8, 6.0), (4, 16, 5.0)]]
+    rows += [rec("m", "ckpt", 32, 9.0, size={"num_layers": n}) for n in (2, 4, 8)]
+    rows.append(rec("m", "exact", 8, fits=False, size={"num_layers": 8}))
+    fig = plots.size_curves(pd.DataFrame(rows), "num_layers")
+    lines = {ln.get_label(): ln for ln in fig.axes[0].lines}
+    assert list(lines["Exact"].get_xdata()) == [2, 4]
+    assert list(lines["Exact"].get_ydata()) == [14.0, 6.0]
+    assert list(lines["Checkpoint"].get_xdata()) == [2, 4, 8]
+    assert fig.axes[0].get_xlabel() == "depth (number of layers)"
+    paper = plots.size_curves(paper_scaling("num_layers"), "num_layers")
+    exact = {ln.get_label(): ln for ln in paper.axes[0].lines}["Exact"]
+    assert max(exact.get_xdata()) == 42
+
+
+def test_gpu_count_ratio_lines_and_unit_line():
+    df = pd.DataFrame({
+        "model": ["m"] * 6, "mom": ["exact", "exact", "ckpt", "ckpt", "quant4", "quant4"],
+        "gpus": [1, 4, 1, 4, 1, 4], "max_throughput": [100.0, 300.0, 80.0, 330.0, 70.0, 240.0],
+    })
+    fig = plots.gpu_count(df)
+    ax = visible_axes(fig)[0]
+    lines = {ln.get_label(): ln for ln in ax.lines if ln.get_gid() != "exact"}
+    assert set(lines) == {"Checkpoint", "Quantize 4-bit"}
+    assert list(lines["Checkpoint"].get_xdata()) == [1, 4]
+    assert list(lines["Checkpoint"].get_ydata()) == pytest.approx([0.8, 1.1])
+    unit = [ln for ln in ax.lines if ln.get_gid() == "exact"]
+    assert len(unit) == 1 and list(unit[0].get_ydata()) == [1.0, 1.0]
+    only = plots.gpu_count(df, moms=["quant4"])
+    assert [ln.get_label() for ln in visible_axes(only)[0].lines
+            if ln.get_gid() != "exact"] == ["Quantize 4-bit"]
+
+
+def test_compare_table_side_by_side():
+    ours = pd.DataFrame({"model": ["bert-large"] * 3, "mom": ["exact", "ckpt", "quant4"],
+                         "max_throughput": [100.0, 110.0, 50.0],
+                         "max_batch_size": [8, 64, 32]})
+    table = plots.compare_table(ours, paper_s1())
+    row = table.set_index(["model", "mom"]).loc[("bert-large", "ckpt")]
+    assert row["ratio_ours"] == pytest.approx(1.1)
+    assert row["ratio_paper"] == pytest.approx(139.05 / 163.95)
+    assert row["same_verdict"] == False  # noqa: E712 (pandas BooleanDtype)
+    q = table.set_index(["model", "mom"]).loc[("bert-large", "quant4")]
+    assert q["same_verdict"] == True  # noqa: E712
+    assert {"max_batch_size_ours", "max_batch_size_paper"} <= set(table.columns)
+    # rows only the paper has stay, with NaN on our side
+    assert table.set_index(["model", "mom"]).loc[("resnet50", "exact"), "ratio_ours"] != \
+        table.set_index(["model", "mom"]).loc[("resnet50", "exact"), "ratio_ours"]
+    with pytest.raises(ValueError, match="one configuration"):
+        plots.compare_table(pd.concat([ours, ours]), paper_s1())
+
+
+def test_paper_batch_curves_mark_the_paper_ooms():
+    runs = paper_runs()
+    s1 = runs[(runs["experiment"] == "speed") & (runs["gpus"] == 1)
+              & (runs["model"] == "resnet50")]
+    fig = plots.batch_curves(s1)
+    ax = visible_axes(fig)[0]
+    assert ax.get_ylabel() == "throughput (img/s)"
+    exact = {ln.get_label(): ln for ln in curve_lines(ax)}["Exact"]
+    marks = dict(oom_marks(ax))
+    assert 176.0 in marks and marks[176.0] == pytest.approx(exact.get_ydata()[-1])
+    assert max(exact.get_ydata()) == pytest.approx(378.91)
+
+
+def test_save_writes_png_and_pdf(tmp_path, sweep):
+    paths = plots.save(plots.batch_curves(sweep), tmp_path / "sub" / "s1")
+    png, pdf = paths
+    assert png.name == "s1.png" and pdf.name == "s1.pdf"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    assert pdf.read_bytes()[:5] == b"%PDF-" and pdf.stat().st_size > 1000
+
+
+def test_momlab_and_paper_rows_are_drawn_apart(sweep):
+    ours = sweep.assign(source="momlab")
+    theirs = sweep.assign(source="paper", throughput=sweep["throughput"] * 2)
+    fig = plots.batch_curves(pd.concat([ours, theirs]), models=["tiny-bert"])
+    ax = visible_axes(fig)[0]
+    lines = {ln.get_label(): ln for ln in curve_lines(ax)}
+    assert set(lines) == {"Exact", "Checkpoint", "Exact (paper)", "Checkpoint (paper)"}
+    assert lines["Exact (paper)"].get_linestyle() == ":"
+    assert list(lines["Exact (paper)"].get_ydata()) == [20.0, 24.0]
+    assert same_color(lines["Exact (paper)"].get_color(), lines["Exact"].get_color())
+    assert sorted(oom_marks(ax)) == [(32.0, 12.0), (32.0, 24.0)]
+    assert {"momlab", "paper"} <= {t.get_text() for t in fig.legends[0].get_texts()}
+    # the paper's raw file:line sources count as the paper's
+    paper = plots.size_curves(pd.concat([
+        paper_scaling("num_layers").assign(source="paper"),
+        pd.DataFrame([rec("bert-large", "exact", 8, 100.0, size={"num_layers": 24})]),
+    ]), "num_layers")
+    labels = {ln.get_label() for ln in paper.axes[0].lines}
+    assert {"Exact", "Exact (paper)", "Checkpoint (paper)"} <= labels
+
+
+def test_largest_model_refuses_several_rows_per_mom():
+    table = pd.DataFrame({"mom": ["exact", "exact"], "batch_size": [8, 16], "dim": "num_layers",
+                          "largest": [8, 4], "throughput_at_largest": [1.0, 2.0]})
+    with pytest.raises(ValueError, match="batch_size="):
+        plots.largest_model(table)
+    fig = plots.largest_model(table, batch_size=16)
+    assert [b.get_height() for b in fig.axes[0].patches] == [4]
