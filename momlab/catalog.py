@@ -238,8 +238,8 @@ def blocks(model: str, net: nn.Module) -> list[nn.Module]:
         return list(net.transformer.h)
     if family == "swin":
         return [b for stage in net.swin.encoder.layers for b in stage.blocks]
-    if family == "vit":
-        return list(net.vit.encoder.layer)
+    if family == "vit":  # transformers 5.24 keeps ViT's layers on the model itself (5.17: encoder.layer)
+        return list(net.vit.layers if hasattr(net.vit, "layers") else net.vit.encoder.layer)
     return _resnet_blocks(net)
 
 

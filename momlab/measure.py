@@ -6,9 +6,9 @@ the whole step (forward, loss, backward, optimizer step, zero grads).
 1. Build the workload; put weights on the books; `warmup` steps create the
    optimizer state (a budget is already enforced here).
 2. One probe step with memory accounting on (the CUDA allocator's counters on
-   a GPU; exact storage accounting on the emulated CPU device) and FLOP
-   counting: peak, and the breakdown read at the end of forward (activations)
-   and the end of backward (gradients).
+   a GPU; exact storage accounting on the emulated CPU device): peak, and the
+   breakdown read at the end of forward (activations) and the end of backward
+   (gradients). One step under FlopCounterMode counts the FLOPs.
 3. `steps` timed steps with accounting off, synchronized on CUDA; the median
    is the step time.
 
@@ -107,6 +107,27 @@ def _breakdown(base, w: Workload, peak: int, bytes_of, probe: _Probe, flops: int
     )
 
 
+def _count_flops(w: Workload) -> int:
+    """FLOPs of one step, counted by FlopCounterMode in a step of its own: its
+    module tracking keeps checkpoint-recomputed tensors alive, so it must not
+    run in the step whose memory is measured (checkpointing's peak rose 40%)."""
+    with FlopCounterMode(display=False) as counter:
+        w.step()
+    return int(counter.get_total_flops())
+
+
+def _warm_up(w: Workload, warmup: int) -> None:
+    """`warmup` steps, and more while fp16's GradScaler skips the optimizer
+    step (inf/nan gradients at its first scale), so that the probe step
+    starts with optimizer state resident."""
+    for _ in range(warmup):
+        w.step()
+    for _ in range(16):
+        if w.optimizer.state:
+            return
+        w.step()
+
+
 def _timed_steps(w: Workload, steps: int) -> list[float]:
     times = []
     for _ in range(steps):
@@ -130,16 +151,15 @@ def _measure_emulated(base, dev, budget, steps, warmup, seed) -> Measurement:
             state = w.state_tensors()
             tracker.track(state["params"])
             tracker.check_budget()
-            for _ in range(warmup):
-                w.step()
+            _warm_up(w, warmup)
             gc.collect()
             tracker.reset_peak()
             probe = _Probe(lambda: tracker.device_bytes, lambda: tracker.host_bytes, w)
-            with FlopCounterMode(display=False) as flop_counter:
-                w.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
+            w.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
             peak = tracker.peak_bytes
+        flops = _count_flops(w)
         times = _timed_steps(w, steps)
-        return _breakdown(base, w, peak, unique_storage_bytes, probe, flop_counter.get_total_flops(), times,
+        return _breakdown(base, w, peak, unique_storage_bytes, probe, flops, times,
                           "cpu-emulated")
     except Exception as exc:  # noqa: BLE001 - only OOM is data; everything else propagates
         if not is_oom(exc):
@@ -161,20 +181,20 @@ def _measure_cuda(base, dev, budget, steps, warmup, seed) -> Measurement:
         with mem.capped():
             w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
                       precision=base["precision"], seed=seed, **base["size"])
-            for _ in range(warmup):
-                w.step()
+            _warm_up(w, warmup)
             gc.collect()
             synchronize(dev)
             mem.reset_peak()
             # a tracker on the host side counts what a MOM keeps in host memory (swap)
-            host = StorageTracker(devices=("cuda",))
+            host = StorageTracker(devices=("cpu",))
             probe = _Probe(mem.allocated, lambda: host.host_bytes, w)
-            with host, FlopCounterMode(display=False) as flop_counter:
+            with host:
                 w.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
             synchronize(dev)
             peak = mem.peak()
+            flops = _count_flops(w)
             times = _timed_steps(w, steps)
-        return _breakdown(base, w, peak, unique_storage_bytes, probe, flop_counter.get_total_flops(), times, "cuda")
+        return _breakdown(base, w, peak, unique_storage_bytes, probe, flops, times, "cuda")
     except Exception as exc:  # noqa: BLE001
         if not is_oom(exc):
             raise

@@ -109,6 +109,11 @@ def _s1_runs(gpus: int | None = 1) -> pd.DataFrame:
     return df[sel]
 
 
+def paper_s1_runs(gpus: int | None = 1) -> pd.DataFrame:
+    """The paper's S1 batch sweeps (its default sizes and precisions), one row per run."""
+    return _s1_runs(gpus).reset_index(drop=True)
+
+
 def _s1_table(runs: pd.DataFrame) -> pd.DataFrame:
     """Per (model, mom): the S1 numbers of a set of batch-sweep runs.
 

@@ -1,0 +1,1068 @@
+"""Data-parallel and sharded training over ranks: the paper's GPU-count context.
+
+The paper's "context" scenario compares a MOM with Exact at 1, 2, 4 and 8
+GPUs under data parallelism (its ``2v100``..``8v100`` runs). Here the number
+of ranks and the parallel strategy are two more dimensions of a scenario:
+
+| parallel        | what each rank holds (ZeRO stage)                                           |
+|-----------------|-----------------------------------------------------------------------------|
+| ``none``        | one rank, plain training (the 1-GPU baseline, run in a worker like the rest) |
+| ``ddp``         | full weights, gradients and optimizer state; gradients all-reduced (ZeRO-0) |
+| ``fsdp``        | 1/ranks of each, every block re-gathered in forward and backward (ZeRO-3)   |
+| ``zero2``       | 1/ranks of each, blocks stay gathered from forward to backward (ZeRO-2)     |
+| ``+offload``    | fsdp / zero2 with sharded weights, gradients and optimizer on the host       |
+
+The recipe (`parallelize`, torchtitan's order) applies the MOM first (build()
+does, through momlab.moms.apply), then wraps: DDP around the model, or FSDP2's
+`fully_shard` on every block (`catalog.blocks` after the MOM, so a
+checkpointed block is sharded in its wrapper) and then on the root. The
+optimizer is created after wrapping, on the sharded parameters.
+
+Ranks are processes started from a fork server (torch.multiprocessing's
+"forkserver" context: a clean process that imported torch and transformers
+once, so a launch costs a fork, not a 5-10 s import; CUDA-safe, because the
+server never touches CUDA), joined by torch.distributed: gloo on CPU, nccl on
+CUDA (one GPU per rank). The parent supervises: a rank that dies (killed, a
+segfault) or fails stops every other rank at once and raises `RankFailed`;
+the whole run is bounded by ``timeout_s`` (also the process-group timeout).
+
+Each rank measures itself exactly as `momlab.measure` does (warm-up steps,
+one probe step with memory accounting and FLOP counting, timed steps with
+accounting off): on CPU the emulated device of momlab.accounting, per rank,
+made aware of DTensor shards (counted by their local storage) and of storage
+resizes (FSDP frees and re-allocates gathered weights with
+``UntypedStorage.resize_``, which no dispatch mode sees; torch's own
+MemTracker patches the same method); on CUDA the allocator's counters.
+Data: every rank draws the same seeded global batch of ``ranks *
+batch_size`` samples on the host and keeps its own slice, so a distributed
+step sees exactly the batch one rank would see at the global batch size.
+On CPU each rank runs one thread: a rank stands for one device of fixed
+speed, so up to the core count more ranks add compute, as more GPUs do; past
+it ranks share cores and CPU throughput stops scaling (gloo's collectives
+over shared memory are also no NVLink): read CPU rank scans for memory and
+for a MOM's relative overheads, not for GPU speed-ups.
+
+Per rank, the usual categories, plus one: ``comm_bytes``, communication
+buffers resident at the end of forward that are no weight, gradient or
+optimizer state: FSDP's gathered weights of units not resharded after
+forward (the root's; every block's under zero2), which are all-gather
+outputs. DDP's buckets would be one, but with ``gradient_as_bucket_view``
+they are the gradients' storage, so they count once, as ``grads_bytes``
+(resident all step long: they are taken out of the activations too).
+Transient buffers (all-gather inputs, reduce-scatter inputs, a block's
+gathered weights while it runs) are in ``workspace_bytes``.
+
+References: PyTorch DDP (Li et al., VLDB 2020); ZeRO (Rajbhandari et al.,
+SC 2020) for the stages; PyTorch FSDP (Zhao et al., VLDB 2023) and torchtitan
+(Liang et al., 2024) for per-block sharding and the order of the recipe.
+
+    >>> m = measure_distributed("vit-base", ranks=2, parallel="fsdp", batch_size=2,
+    ...                         **tiny("vit-base"))  # doctest: +SKIP
+    >>> m.options["ranks"], len(m.options["per_rank"])  # doctest: +SKIP
+    (2, 2)
+
+A running fork server keeps the momlab it imported: after editing momlab,
+restart the interpreter (or kernel) that launches the ranks.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import gc
+import hashlib
+import inspect
+import json
+import math
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+import traceback
+import weakref
+from contextlib import ExitStack, contextmanager
+from multiprocessing.connection import wait as wait_for
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils.flop_counter import FlopCounterMode
+
+from momlab import catalog
+from momlab.accounting import StorageTracker, host_allocation
+from momlab.device import CudaMemory, check_device, empty_cache, is_oom, synchronize
+from momlab.errors import OutOfMemory, check_choice
+from momlab.provenance import environment
+from momlab.record import Measurement
+from momlab.units import parse_bytes
+from momlab.workload import PRECISIONS, Workload, build, check_batch_size, parse_mom
+
+# the spellings `parallel` accepts; "+offload" only where weights are sharded
+PARALLEL = ("none", "ddp", "fsdp", "zero2", "fsdp+offload", "zero2+offload")
+DEFAULT_TIMEOUT_S = 900.0
+CPU_THREADS_PER_RANK = 1
+# after one rank failed (died, ran out of memory, raised), how long the others
+# get to report before they are stopped: a peer blocked in a collective with
+# the failed rank reports a broken connection within this time, or never
+SETTLE_S = 3.0
+# DDP re-orders its gradient buckets in its second iteration (in the order
+# gradients arrived) and allocates new ones then: a DDP measurement warms up
+# at least this many steps, so the probe step sees the final buckets
+DDP_MIN_WARMUP = 2
+# fp16: at most this many warm-up steps more while GradScaler skips the optimizer step
+MAX_SKIPPED_STEPS = 16
+# modules a rank needs, imported once by the fork server
+_PRELOAD = ["momlab.distributed", "transformers.modeling_utils"] + [
+    f"transformers.models.{m}" for m in ("bert.modeling_bert", "gpt2.modeling_gpt2", "swin.modeling_swin",
+                                         "vit.modeling_vit", "resnet.modeling_resnet")]
+# keys of a per-rank record (Measurement.options["per_rank"][r])
+RANK_FIELDS = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
+               "workspace_bytes", "comm_bytes", "host_bytes")
+
+
+class RankFailed(RuntimeError):
+    """A rank died, failed or hung; every other rank was stopped."""
+
+
+# -- names and checks ------------------------------------------------------------------
+
+def parse_parallel(parallel: str, offload: bool = False) -> tuple[str, bool]:
+    """(strategy, offload) from a `parallel` spelling; ValueError naming the valid ones.
+
+    >>> parse_parallel("fsdp+offload"), parse_parallel("zero2", offload=True), parse_parallel("ddp")
+    (('fsdp', True), ('zero2', True), ('ddp', False))
+    """
+    if not isinstance(parallel, str):
+        raise ValueError(f"parallel must be a string, one of {', '.join(PARALLEL)}; got {parallel!r}")
+    name = parallel.strip().lower()
+    check_choice("parallel", name, PARALLEL)
+    strategy, _, extra = name.partition("+")
+    offload = bool(offload) or extra == "offload"
+    if offload and strategy not in ("fsdp", "zero2"):
+        raise ValueError(f"offload moves sharded weights, gradients and optimizer state to the host; it needs "
+                         f"parallel 'fsdp' or 'zero2', not {strategy!r}")
+    return strategy, offload
+
+
+def parallel_name(strategy: str, offload: bool) -> str:
+    return strategy + ("+offload" if offload else "")
+
+
+def check_ranks(ranks, strategy: str, device: torch.device) -> int:
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
+    if strategy == "none" and ranks != 1:
+        raise ValueError(f"parallel='none' trains on one rank (ranks=1); with ranks={ranks} use 'ddp', 'fsdp' "
+                         f"or 'zero2'")
+    if device.type == "cuda" and ranks > torch.cuda.device_count():
+        raise ValueError(f"ranks={ranks} needs one GPU per rank; this machine has {torch.cuda.device_count()}")
+    if device.type == "cuda" and device.index not in (None, 0):
+        raise ValueError(f"rank r runs on cuda:r; give device='cuda', not {device}")
+    return ranks
+
+
+def threads_per_rank(ranks: int, device: torch.device) -> int:
+    """CPU threads of each rank. On CPU one (torchrun's default), so that a rank stands for one device of
+    fixed speed, as a GPU does, and ranks up to the core count add compute. (Splitting the cores instead
+    made one rank fast and many ranks slow, and oversubscribed OpenMP on a shared machine.)"""
+    if device.type == "cpu":
+        return CPU_THREADS_PER_RANK
+    # on CUDA the CPU feeds the GPU and, with offload, runs the optimizer step: share the cores out
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // ranks)
+
+
+# -- the recipe: MOM first (build), then the parallel wrapper, then the optimizer ------------------
+
+def apply_ddp(net: nn.Module, device: torch.device) -> nn.Module:
+    """DistributedDataParallel, gradients as views of the all-reduce buckets.
+
+    With ``gradient_as_bucket_view=True`` the buckets *are* the gradients'
+    storage: one gradient-sized allocation, resident for the whole step (DDP
+    keeps it between steps even when grads are set to None), and no second
+    copy. momlab reports it as ``grads_bytes``, and takes it out of the
+    activations it would otherwise inflate at the end of forward.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(net, device_ids=ids, gradient_as_bucket_view=True)
+
+
+def apply_fsdp(net: nn.Module, blocks: list[nn.Module], *, device: torch.device, reshard_after_forward: bool = True,
+               offload: bool = False) -> nn.Module:
+    """FSDP2 `fully_shard` on every block, then on the root (ZeRO-3; ZeRO-2 without resharding).
+
+    Each block is one all-gather / reduce-scatter unit; the root takes what
+    is left (embeddings, head). `offload` keeps the shards, their gradients
+    and the optimizer step on the host (`CPUOffloadPolicy`, pinned on CUDA).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, offload_policy=policy)
+    # the root's parameters are needed first in backward: FSDP keeps them gathered after forward ("auto")
+    fully_shard(net, mesh=mesh, reshard_after_forward=None if reshard_after_forward else False,
+                offload_policy=policy)
+    return net
+
+
+def parallelize(w: Workload, strategy: str, *, offload: bool = False) -> Workload:
+    """Wrap a built workload (MOM already applied) for `strategy`; a new optimizer on the wrapped parameters."""
+    if strategy == "none":
+        w.options.update(parallel="none")
+        return w
+    if strategy == "ddp":
+        w.model = apply_ddp(w.model, w.device)
+        w.options.update(parallel="ddp", gradient_as_bucket_view=True)
+    else:
+        apply_fsdp(w.model, catalog.blocks(w.name, w.model), device=w.device,
+                   reshard_after_forward=strategy == "fsdp", offload=offload)
+        w.options.update(parallel=parallel_name(strategy, offload), reshard_after_forward=strategy == "fsdp",
+                         fsdp_units=len(catalog.blocks(w.name, w.model)) + 1,
+                         mixed_precision="autocast, fp32 all-gather and reduce-scatter")
+        _keep_gathered_weights(w)
+        if w.scaler is not None:
+            # each rank sees only its gradient shard: inf/NaN must be agreed on by all ranks
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            w.scaler = ShardedGradScaler(w.device.type)
+    # sharding replaced the parameters: the optimizer build() made (no state yet) points at the old ones
+    w.optimizer = _same_optimizer(w.optimizer, w.model.parameters())
+    return w
+
+
+def _keep_gathered_weights(w: Workload) -> None:
+    """Tell the MOM's saved-tensor hooks that FSDP's gathered weights are weights, not activations.
+
+    A hook-based MOM (quant, swap) passes the model's parameters through
+    untouched, recognizing them by storage, collected when it was applied.
+    FSDP replaces them: the weights a block computes with are gathered into
+    buffers FSDP creates on the first all-gather and re-fills in place
+    afterwards. Gather each unit once now, hand those weights to the MOM,
+    and shard again; otherwise quant would quantize the weights saved for
+    backward and swap would copy them to the host on every forward.
+    """
+    hooks = getattr(w.handle, "hooks", None)
+    if hooks is None:
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    gathered = []
+    for module in [m for m in w.model.modules() if isinstance(m, FSDPModule)]:
+        module.unshard()
+        gathered += [p for p in module.parameters() if not is_sharded(p)]
+        module.reshard()
+    keep = getattr(w.handle, "keep", None)
+    if keep is not None:  # the MOM library's own way, once it has one
+        keep(gathered)
+    else:
+        hooks._state.update(t.untyped_storage()._cdata for t in gathered)
+        hooks._state_refs += gathered
+    w.options["mom_keeps_gathered_weights"] = True
+
+
+def _same_optimizer(opt: torch.optim.Optimizer, params) -> torch.optim.Optimizer:
+    """A fresh optimizer of `opt`'s class and settings over `params`."""
+    accepted = inspect.signature(type(opt).__init__).parameters
+    return type(opt)(params, **{k: v for k, v in opt.defaults.items() if k in accepted})
+
+
+# -- the emulated device of one rank -----------------------------------------------------
+
+def local_tensors(tensors) -> list[torch.Tensor]:
+    """Plain tensors behind `tensors`: a DTensor (or other wrapper subclass) by its inner tensors."""
+    out = []
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            names, _ = t.__tensor_flatten__()
+            out += local_tensors(getattr(t, n) for n in names)
+        else:
+            out.append(t)
+    return out
+
+
+def local_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors`, shards by their local storage."""
+    seen = {}
+    for t in local_tensors(tensors):
+        st = t.untyped_storage()
+        seen[st._cdata] = st.nbytes()
+    return sum(seen.values())
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    return is_traceable_wrapper_subclass(t)
+
+
+class RankTracker(StorageTracker):
+    """`StorageTracker` for one rank of a distributed step.
+
+    Two things the single-device tracker does not meet: DTensor (FSDP2's
+    sharded parameters, gradients and optimizer state), whose own "storage"
+    is a placeholder of the global size, so shards are counted by their local
+    storage; and ``UntypedStorage.resize_`` (FSDP frees a gathered weight by
+    resizing its storage to 0 and re-allocates it in place), which no
+    dispatch mode sees: while active, resizes of tracked storages are booked
+    (as torch.distributed._tools.mem_tracker does). `to_host` moves storages
+    to the host account (CPU offload on the emulated device, where "host"
+    and "device" are the same memory).
+    """
+
+    def _register(self, t: torch.Tensor, *, host: bool, check: bool) -> None:
+        for local in local_tensors([t]):
+            if local.device.type in self.devices:
+                self._book(local.untyped_storage(), host, check)
+
+    def _book(self, st, host: bool, check: bool) -> None:
+        key, nbytes = st._cdata, st.nbytes()
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [nbytes, host, weakref.ref(st, self._finalizer(key))]
+            self._add(nbytes, host, check)
+        elif nbytes != entry[0]:
+            grown = nbytes - entry[0]
+            entry[0] = nbytes
+            self._add(grown, entry[1], check and grown > 0)
+
+    def tracked_bytes(self, tensors) -> int:
+        return super().tracked_bytes(local_tensors(tensors))
+
+    def to_host(self, tensors) -> None:
+        """Book the storages behind `tensors` as host memory from now on."""
+        for t in local_tensors(tensors):
+            entry = self._live.get(t.untyped_storage()._cdata)
+            if entry is not None and not entry[1]:
+                entry[1] = True
+                self.device_bytes -= entry[0]
+                self.host_bytes += entry[0]
+                self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+
+    def __enter__(self):
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        @functools.wraps(original)
+        def resize_(st, size):
+            out = original(st, size)
+            entry = tracker._live.get(st._cdata)
+            if entry is not None:
+                tracker._book(st, entry[1], True)
+            return out
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        return super().__exit__(*exc)
+
+
+# -- one rank ---------------------------------------------------------------------------
+
+class _Rank:
+    """Builds, wraps and measures the workload of one rank (runs inside the worker)."""
+
+    def __init__(self, rank: int, cfg: dict, tell):
+        self.rank, self.cfg, self.tell = rank, cfg, tell
+        self.world = cfg["ranks"]
+        self.device = torch.device(f"cuda:{rank}") if cfg["device"] == "cuda" else torch.device(cfg["device"])
+        self.strategy, self.offload = cfg["strategy"], cfg["offload"]
+        self.losses: list[float] = []
+        self.step_index = 0
+
+    # data: the seeded global batch, drawn on the host, this rank's slice on the device
+    def batch(self) -> dict:
+        w, b = self.w, self.cfg["batch_size"]
+        with host_allocation():
+            full = catalog.batch(w.name, w.size, self.world * b, w.generator, "cpu")
+        lo = self.rank * b
+        return {k: v[lo:lo + b].to(self.device, copy=True) for k, v in full.items()}
+
+    def step(self, **probe) -> float:
+        self.tell("phase", f"step {self.step_index}")
+        fault = self.cfg.get("fault") or {}
+        if fault.get("rank") == self.rank and fault.get("step") == self.step_index:
+            os.kill(os.getpid(), getattr(signal, fault.get("signal", "SIGKILL")))
+        loss = self.w.step(**probe)
+        self.losses.append(loss)
+        self.step_index += 1
+        return loss
+
+    def build(self) -> None:
+        c = self.cfg
+        w = build(c["model"], batch_size=c["batch_size"], mom=c["mom"], device=str(self.device),
+                  precision=c["precision"], seed=c["seed"], **c["size"])
+        self.w = parallelize(w, self.strategy, offload=self.offload)
+        self.w.batch = self.batch  # Workload.step draws its batch through this
+
+    def _offload_hooks(self, tracker: RankTracker) -> None:
+        """CPU offload on the emulated device: optimizer step and gradient shards live on the host."""
+        host = ExitStack()
+        self.w.optimizer.register_step_pre_hook(lambda *a: host.enter_context(host_allocation()))
+        self.w.optimizer.register_step_post_hook(lambda *a: host.close())
+        for p in self.w.model.parameters():
+            # FSDP calls these after it set the reduced gradient shard (its own post-backward)
+            p.register_post_accumulate_grad_hook(lambda p: tracker.to_host([p.grad]))
+
+    def run(self) -> dict:
+        self.tell("phase", "build")
+        self.build()
+        warmup = self.cfg["warmup"]
+        if self.strategy == "ddp":
+            warmup = max(warmup, DDP_MIN_WARMUP)
+        if self.device.type == "cuda":
+            out = self._measure_cuda(warmup)
+        else:
+            out = self._measure_emulated(warmup)
+        self.tell("phase", "timed steps")
+        out["step_times_s"] = self._timed_steps(self.cfg["steps"])
+        out["losses"] = list(self.losses)
+        out["warmup_steps"] = self.warmup_steps
+        out["options"] = {k: v for k, v in self.w.options.items() if _plain(v)}
+        return out
+
+    def _params(self):
+        return self.w.state_tensors()["params"]
+
+    def _bucket_probe(self, tracker: RankTracker | None):
+        """A backward-end callback that remembers (and books) DDP's bucket storages, the gradients' storage."""
+        self.buckets: list[torch.Tensor] = []
+
+        def capture():
+            grads = self.w.state_tensors()["grads"]
+            if tracker is not None:
+                tracker.track(grads)
+            self.buckets = grads
+        return capture
+
+    def _measure_emulated(self, warmup: int) -> dict:
+        tracker = RankTracker(budget=self.cfg["budget"])
+        w = self.w
+        with tracker:
+            tracker.track(self._params())
+            if self.offload:
+                tracker.to_host(p for p in w.model.parameters() if is_sharded(p))
+                self._offload_hooks(tracker)
+            tracker.check_budget()
+            capture = self._bucket_probe(tracker)
+            self._warm_up(warmup, capture)
+            gc.collect()
+            tracker.reset_peak()
+            probe = _RankProbe(self, lambda: tracker.device_bytes, lambda: tracker.host_bytes, tracker.tracked_bytes)
+            with FlopCounterMode(display=False) as flops:
+                self.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
+            peak = tracker.peak_bytes
+            state = w.state_tensors()
+            out = probe.breakdown(peak, tracker.tracked_bytes(state["params"]),
+                                  tracker.tracked_bytes(state["optimizer"]))
+        out.update(flops=flops.get_total_flops(), memory_source="cpu-emulated")
+        return out
+
+    def _measure_cuda(self, warmup: int) -> dict:
+        mem = CudaMemory(self.device, self.cfg["budget"])
+        empty_cache(self.device)
+        w = self.w
+        with mem.capped():
+            capture = self._bucket_probe(None)
+            self._warm_up(warmup, capture)
+            gc.collect()
+            synchronize(self.device)
+            mem.reset_peak()
+            # what a MOM keeps in host memory (swap's copies, made inside host_allocation()): CPU tensors
+            host = StorageTracker(devices=("cpu",))
+
+            def device_bytes(tensors):
+                return local_bytes(t for t in local_tensors(tensors) if t.device.type == "cuda")
+
+            probe = _RankProbe(self, mem.allocated, lambda: host.host_bytes + self._offloaded_bytes(), device_bytes)
+            with host, FlopCounterMode(display=False) as flops:
+                self.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
+            synchronize(self.device)
+            state = w.state_tensors()
+            out = probe.breakdown(mem.peak(), device_bytes(state["params"]), device_bytes(state["optimizer"]))
+        out.update(flops=flops.get_total_flops(), memory_source="cuda")
+        return out
+
+    def _warm_up(self, steps: int, capture) -> None:
+        """`steps` steps, and more while the optimizer has no state yet: fp16's GradScaler skips the
+        optimizer step while its scale overflows, and the probe step must not be the one creating the state."""
+        hook = capture if self.strategy == "ddp" else None
+        for _ in range(steps):
+            self.step(on_backward_end=hook)
+        for _ in range(MAX_SKIPPED_STEPS):
+            if self.w.optimizer.state:
+                break
+            self.step(on_backward_end=hook)
+        self.warmup_steps = self.step_index
+
+    def _offloaded_bytes(self) -> int:
+        """Host bytes of offloaded shards and optimizer state (CUDA; the emulated device books them itself)."""
+        if not self.offload:
+            return 0
+        state = self.w.state_tensors()
+        return local_bytes(t for t in local_tensors(state["params"] + state["grads"] + state["optimizer"])
+                           if t.device.type == "cpu")
+
+    def _timed_steps(self, steps: int) -> list[float]:
+        times = []
+        for _ in range(steps):
+            if dist.is_initialized():
+                dist.barrier()  # every rank starts the step together: a step is as slow as its slowest rank
+            synchronize(self.device)
+            t0 = time.perf_counter()
+            self.step()
+            synchronize(self.device)
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+class _RankProbe:
+    """The probe step of one rank: the account at the end of forward and of backward."""
+
+    def __init__(self, rank: _Rank, live, host, bytes_of):
+        self.r, self.live, self.host, self.bytes_of = rank, live, host, bytes_of
+        self.forward_live = self.forward_host = self.grads = self.comm = 0
+
+    def forward_end(self):
+        self.forward_live = self.live()
+        self.forward_host = self.host()
+        r = self.r
+        if r.strategy == "ddp":
+            # the buckets (the gradients' storage) stay resident between steps
+            self.comm = self.bytes_of(r.buckets)
+        elif r.strategy in ("fsdp", "zero2"):
+            # parameters still gathered after forward: the root's always (FSDP does not reshard
+            # what backward needs first), every block's under zero2. They are all-gather outputs.
+            self.comm = self.bytes_of([p for p in r.w.model.parameters() if not is_sharded(p)])
+
+    def backward_end(self):
+        self.grads = self.bytes_of(self.r.w.state_tensors()["grads"])
+
+    def breakdown(self, peak: int, params: int, optimizer: int) -> dict:
+        # DDP's buckets are the gradients: counted once, as grads_bytes, and
+        # not again as a communication buffer (see apply_ddp)
+        ddp = self.r.strategy == "ddp"
+        comm = 0 if ddp else self.comm
+        activation = max(0, self.forward_live - params - optimizer - self.comm)
+        workspace = max(0, peak - params - self.grads - optimizer - activation - comm)
+        return dict(fits=True, peak_bytes=peak, params_bytes=params, grads_bytes=self.grads,
+                    optimizer_bytes=optimizer, activation_bytes=activation, workspace_bytes=workspace,
+                    comm_bytes=comm, host_bytes=self.forward_host)
+
+
+def _plain(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
+
+
+def _worker(rank: int, cfg: dict, conn) -> None:
+    """Entry point of one rank process: result, out-of-memory or error goes back through `conn`."""
+
+    def tell(kind, payload=None):
+        conn.send((kind, payload))
+
+    code = 0
+    try:
+        torch.set_num_threads(cfg["threads"])
+        if cfg["device"] == "cuda":
+            torch.cuda.set_device(rank)
+        if cfg["strategy"] != "none":
+            dist.init_process_group("nccl" if cfg["device"] == "cuda" else "gloo", init_method=cfg["init_method"],
+                                    rank=rank, world_size=cfg["ranks"],
+                                    timeout=datetime.timedelta(seconds=cfg["timeout_s"]))
+        tell("result", _Rank(rank, cfg, tell).run())
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        code = 1
+        if is_oom(exc):
+            live = exc.live if isinstance(exc, OutOfMemory) else (
+                torch.cuda.memory_allocated(rank) if cfg["device"] == "cuda" else 0)
+            tell("oom", {"live": int(live), "error": str(exc).splitlines()[0]})
+        else:
+            tell("error", "".join(traceback.format_exception(exc)))
+    finally:
+        conn.close()
+    if code:
+        # a failed rank must not wait for its peers in a collective or at shutdown
+        os._exit(code)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- the supervisor ---------------------------------------------------------------------------
+
+def _context():
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _process_state(pid: int | None) -> str:
+    """The kernel's word for a process (running, sleeping, stopped...), where /proc has it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            code = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "state unknown"
+    return {"R": "running", "S": "sleeping", "D": "in uninterruptible wait", "T": "stopped", "t": "traced",
+            "Z": "exited"}.get(code, f"state {code}")
+
+
+def _stop(procs, grace_s: float = 0.0) -> None:
+    """Let ranks exit on their own for `grace_s`, then SIGTERM, then SIGKILL."""
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    deadline = time.monotonic() + 3
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(2)
+
+
+@contextmanager
+def _main_without_missing_file():
+    """A rank re-imports the parent's main script, as multiprocessing does; one read from stdin
+    (``python -``) has no file to import, and the ranks need nothing from it."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if path is None or os.path.exists(path):
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
+def launch(cfg: dict, *, timeout_s: float) -> tuple[dict[int, dict], dict[int, dict]]:
+    """Run `cfg["ranks"]` workers; return (results by rank, out-of-memory reports by rank).
+
+    Raises `RankFailed` when a rank dies or fails (everyone else stopped
+    first), or when the run outlives `timeout_s`.
+    """
+    ranks = cfg["ranks"]
+    ctx = _context()
+    rendezvous = tempfile.mkdtemp(prefix="momlab-dist-")
+    cfg = {**cfg, "init_method": "file://" + os.path.join(rendezvous, "store"), "timeout_s": timeout_s}
+    procs, readers = [], []
+    grace = 0.0
+    try:
+        with _main_without_missing_file():
+            for r in range(ranks):
+                receive, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_worker, args=(r, cfg, send), name=f"momlab-rank{r}", daemon=True)
+                p.start()
+                send.close()
+                procs.append(p)
+                readers.append(receive)
+        out = _supervise(procs, readers, cfg, timeout_s)
+        grace = 5.0  # every rank answered: let them shut their process group down
+        return out
+    finally:
+        _stop(procs, grace)
+        for c in readers:
+            c.close()
+        shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+def _supervise(procs, readers, cfg, timeout_s):
+    ranks = len(procs)
+    what = (f"{cfg['model']} {cfg['mom']} {parallel_name(cfg['strategy'], cfg['offload'])} on {ranks} "
+            f"{cfg['device']} rank(s), batch {cfg['batch_size']} per rank")
+    deadline = time.monotonic() + timeout_s
+    phase = {r: "start-up" for r in range(ranks)}
+    outcome: dict[int, tuple[str, object]] = {}  # rank -> (result | oom | error | died, payload)
+    settle = None  # after the first failure, until when the other ranks' outcomes are collected
+    while len(outcome) < ranks:
+        now = time.monotonic()
+        if now >= deadline or (settle is not None and now >= settle):
+            break
+        pending = [r for r in range(ranks) if r not in outcome]
+        wait_for([readers[r] for r in pending] + [procs[r].sentinel for r in pending],
+                 timeout=min(min(deadline, settle or deadline) - now, 1.0))
+        for r in pending:
+            try:
+                while readers[r].poll():
+                    kind, payload = readers[r].recv()
+                    if kind == "phase":
+                        phase[r] = payload
+                        continue
+                    outcome[r] = (kind, payload)
+                    break
+            except (EOFError, OSError):  # its end of the pipe closed without a word: the process is gone
+                procs[r].join(5)
+                outcome[r] = ("died", procs[r].exitcode)
+            if r not in outcome and procs[r].exitcode is not None:  # gone, and everything it sent was read
+                outcome[r] = ("died", procs[r].exitcode)
+            if r in outcome and outcome[r][0] != "result" and settle is None:
+                # a peer's failure is usually noticed by the others as a broken collective a moment
+                # later: collect those before naming the cause
+                settle = time.monotonic() + SETTLE_S
+    results = {r: p for r, (k, p) in outcome.items() if k == "result"}
+    ooms = {r: p for r, (k, p) in outcome.items() if k == "oom"}
+    died = {r: p for r, (k, p) in outcome.items() if k == "died"}
+    errors = {r: p for r, (k, p) in outcome.items() if k == "error"}
+
+    def also() -> str:
+        lines = [f"rank {r} then failed: {str(e).strip().splitlines()[-1]}" for r, e in sorted(errors.items())]
+        return ("; " + "; ".join(lines)) if lines else ""
+
+    if died:
+        r, code = min(died.items())
+        raise RankFailed(f"rank {r} of {ranks} died ({_describe_exit(code)}) during {phase[r]} of {what}; "
+                         f"stopped the other ranks{also()}")
+    if ooms:
+        return results, ooms  # the others failing in a collective with it is a consequence
+    if errors:
+        r, text = min(errors.items())
+        errors.pop(r)
+        raise RankFailed(f"rank {r} of {ranks} failed during {phase[r]} of {what}; stopped the other ranks"
+                         f"{also()}. Its error:\n{text}")
+    if len(results) < ranks:
+        late = ", ".join(f"rank {r} in {phase[r]} ({_process_state(procs[r].pid)})"
+                         for r in range(ranks) if r not in results)
+        raise RankFailed(f"{what}: no result within timeout_s={timeout_s:g} s: {late}; stopped every rank")
+    return results, ooms
+
+
+# -- measure_distributed -----------------------------------------------------------------------
+
+def _check(model, mom, ranks, parallel, offload, batch_size, device, budget, precision, steps, warmup, timeout_s,
+           size):
+    catalog.spec(model)
+    size = catalog.resolve_size(model, size)
+    mom = parse_mom(mom)
+    strategy, offload = parse_parallel(parallel, offload)
+    check_batch_size(batch_size)
+    check_choice("precision", precision, PRECISIONS)
+    dev = check_device(device)
+    if dev.type == "meta":
+        raise ValueError("measure_distributed runs on a real device (cpu or cuda)")
+    ranks = check_ranks(ranks, strategy, dev)
+    budget = None if budget is None else parse_bytes(budget)
+    for name, value in (("steps", steps), ("warmup", warmup)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    return size, mom, strategy, offload, dev, ranks, budget
+
+
+def measure_distributed(model: str, mom: str = "exact", *, ranks: int, parallel: str = "ddp", batch_size: int,
+                        device: str = "cpu", budget=None, precision: str = "fp32", steps: int = 3, warmup: int = 1,
+                        seed: int = 0, offload: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, _fault=None,
+                        **size) -> Measurement:
+    """Measure one configuration trained on `ranks` ranks with `parallel`; see the module docstring.
+
+    `batch_size` is per rank (the global batch is ``ranks * batch_size``);
+    `budget` is per rank. The memory fields are per rank, each the maximum
+    over ranks; ``options["per_rank"]`` holds every rank's own record
+    (`RANK_FIELDS`, ``flops``, ``step_times_s``). ``comm_bytes`` (in
+    options and per rank): communication buffers resident at the end of
+    forward and not otherwise counted: FSDP's parameters still gathered then
+    (the root's; every block's under zero2); 0 for DDP, whose buckets are
+    the gradients (``grads_bytes``). ``host_bytes`` includes offloaded
+    shards and optimizer state. ``step_time_s``: median over timed steps of
+    the slowest rank's step; ``throughput``: ``ranks * batch_size /
+    step_time_s`` (samples per second over all ranks); ``flops``: one
+    rank's step. ``options["losses"]``: the loss of every step run (warm-up,
+    probe, timed), averaged over ranks. A rank out of memory makes the record
+    ``fits=False``; a rank that dies or fails raises `RankFailed`, within
+    `timeout_s` at the latest. ``_fault`` is a test hook:
+    ``{"rank": r, "step": k}`` kills rank r at the start of its step k.
+
+    >>> m = measure_distributed("vit-base", ranks=2, parallel="ddp", batch_size=2,
+    ...                         **tiny("vit-base"))  # doctest: +SKIP
+    >>> m.throughput == 2 * 2 / m.step_time_s  # doctest: +SKIP
+    True
+    """
+    size, mom, strategy, offload, dev, ranks, budget = _check(
+        model, mom, ranks, parallel, offload, batch_size, device, budget, precision, steps, warmup, timeout_s, size)
+    cfg = dict(model=model, mom=mom, ranks=ranks, strategy=strategy, offload=offload, batch_size=batch_size,
+               device=dev.type, precision=precision, size=size, budget=budget, steps=steps, warmup=warmup, seed=seed,
+               threads=threads_per_rank(ranks, dev), fault=_fault)
+    base = dict(model=model, mom=mom, batch_size=batch_size, device=dev.type, precision=precision, size=size,
+                budget=budget, env={**environment(dev), "threads": cfg["threads"]})
+    results, ooms = launch(cfg, timeout_s=float(timeout_s))
+    options = {"ranks": ranks, "parallel": parallel_name(strategy, offload), "offload": offload,
+               "global_batch_size": ranks * batch_size, "threads_per_rank": cfg["threads"],
+               "launcher": "torch.multiprocessing forkserver",
+               "backend": None if strategy == "none" else ("nccl" if dev.type == "cuda" else "gloo")}
+    if ooms:
+        return _unfit(base, ranks, results, ooms, options)
+    return _combine(base, ranks, results, options)
+
+
+def _combine(base: dict, ranks: int, results: dict[int, dict], options: dict) -> Measurement:
+    per_rank = [results[r] for r in range(ranks)]
+    # all ranks step together: a step lasts as long as its slowest rank
+    times = [max(r["step_times_s"][i] for r in per_rank) for i in range(len(per_rank[0]["step_times_s"]))]
+    step_time = statistics.median(times)
+    memory = {k: max(r[k] for r in per_rank) for k in RANK_FIELDS}
+    losses = [statistics.fmean(r["losses"][i] for r in per_rank) for i in range(len(per_rank[0]["losses"]))]
+    options = {**per_rank[0]["options"], **options, "comm_bytes": memory.pop("comm_bytes"),
+               "losses": losses, "warmup_steps": per_rank[0]["warmup_steps"],
+               "per_rank": [{"rank": i, **{k: r[k] for k in (*RANK_FIELDS, "flops")},
+                             "step_times_s": list(r["step_times_s"])} for i, r in enumerate(per_rank)]}
+    return Measurement(**base, fits=True, **memory, step_time_s=step_time,
+                       throughput=ranks * base["batch_size"] / step_time,
+                       flops=max(r["flops"] for r in per_rank), memory_source=per_rank[0]["memory_source"],
+                       step_times_s=tuple(times), options=options)
+
+
+def _unfit(base: dict, ranks: int, results: dict, ooms: dict, options: dict) -> Measurement:
+    r, first = min(ooms.items())
+    live = max(o["live"] for o in ooms.values())
+    options = {**options, "oom_ranks": sorted(ooms), "comm_bytes": 0,
+               "per_rank": [{"rank": i, "fits": i not in ooms and i in results,
+                             "live_bytes": ooms[i]["live"] if i in ooms else None} for i in range(ranks)]}
+    nan = math.nan
+    return Measurement(**base, fits=False, peak_bytes=live, params_bytes=0, grads_bytes=0, optimizer_bytes=0,
+                       activation_bytes=0, workspace_bytes=0, host_bytes=0, step_time_s=nan, throughput=nan, flops=0,
+                       memory_source="cuda" if base["device"] == "cuda" else "cpu-emulated",
+                       error=f"rank {r}: {first['error']}", options=options)
+
+
+def measurer(ranks: int, parallel: str = "ddp", *, offload: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """A `measure`-compatible function at a fixed rank count, for momlab.search and momlab.sweep's `measure_fn`.
+
+    >>> s = max_batch_size("vit-base", budget="64MiB", measure_fn=measurer(2, "fsdp"),
+    ...                    **tiny("vit-base"))  # doctest: +SKIP
+    """
+    strategy, offload = parse_parallel(parallel, offload)
+    return functools.partial(measure_distributed, ranks=ranks, parallel=strategy, offload=offload,
+                             timeout_s=timeout_s)
+
+
+# -- scans over rank counts: the data of notebook 07 -------------------------------------------
+
+def record_key(params: dict, env: dict, ranks: int, parallel: str) -> str:
+    """The store key of a distributed point: momlab.results' key of the configuration, plus ranks and parallel."""
+    from momlab.results import config_key
+
+    blob = json.dumps([config_key(params, env), ranks, parallel])
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def ranks_store_path(store) -> Path:
+    """Where `scan_ranks` keeps its records: beside `store`, ``<stem>.ranks.jsonl``, so single-device
+    analyses of `store` never mix in multi-rank records."""
+    p = Path(store)
+    return p.with_name((p.name[:-6] if p.name.endswith(".jsonl") else p.name) + ".ranks.jsonl")
+
+
+def scan_ranks(model: str, moms=("exact",), *, ranks=(1, 2), parallel=("ddp", "fsdp"), batch_sizes=(2, 4),
+               store, size=None, device: str = "cpu", budget=None, precision: str = "fp32", steps: int = 3,
+               warmup: int = 1, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S):
+    """Measure moms x parallel x ranks x batch sizes into ``ranks_store_path(store)``; return its frame.
+
+    `size`: size keywords, or "tiny" for the model's tiny preset. Resumable
+    like momlab.sweep: a point already recorded (same configuration, ranks,
+    parallel and environment) is not measured again. ``ranks=1`` is
+    measured as parallel ``none`` (plain training, the 1-GPU point of every
+    strategy). Records carry ``ranks`` and ``parallel`` columns. A run whose
+    rank failed is recorded with ``fits=False`` and the error.
+
+    >>> df = scan_ranks("bert-base", ["exact", "ckpt"], size="tiny",
+    ...                 store="results/smoke.jsonl")  # doctest: +SKIP
+    """
+    from momlab.results import Store, environment as stamp, make_record, to_frame
+
+    size = catalog.tiny(model) if size == "tiny" else dict(size or {})
+    env = stamp(device)
+    s = Store(ranks_store_path(store))
+    keys = []
+    plan = [("none" if r == 1 else p, r) for p in ([parallel] if isinstance(parallel, str) else parallel)
+            for r in ranks]
+    for p, r in dict.fromkeys(plan):
+        for mom in ([moms] if isinstance(moms, str) else moms):
+            for b in batch_sizes:
+                params = dict(model=model, mom=mom, batch_size=b, device=device, precision=precision,
+                              size=catalog.resolve_size(model, size), budget=budget, steps=steps, warmup=warmup,
+                              seed=seed)
+                key = record_key(params, env, r, p)
+                keys.append(key)
+                if s.get(key) is not None:
+                    continue
+                try:
+                    m = measure_distributed(model, mom, ranks=r, parallel=p, batch_size=b, device=device,
+                                            budget=budget, precision=precision, steps=steps, warmup=warmup,
+                                            seed=seed, timeout_s=timeout_s, **size)
+                except RankFailed as exc:
+                    m = Measurement(model=model, mom=parse_mom(mom), batch_size=b, device=device,
+                                    precision=precision, size=params["size"], fits=False, peak_bytes=0,
+                                    params_bytes=0, grads_bytes=0, optimizer_bytes=0, activation_bytes=0,
+                                    workspace_bytes=0, host_bytes=0, step_time_s=math.nan, throughput=math.nan,
+                                    flops=0, error=str(exc).splitlines()[0], options={"ranks": r, "parallel": p})
+                rec = make_record(m, params, env, ranks=r, parallel=p)
+                rec["key"] = key
+                s.append(rec)
+    by_key = {rec.get("key"): rec for rec in s.records()}
+    return to_frame([by_key[k] for k in dict.fromkeys(keys) if k in by_key])
+
+
+def rank_scaling(df, baseline: str = "exact"):
+    """Per model, parallel strategy, rank count and MOM: the maximum throughput over the batches that fit, the
+    batch where it is reached, and its ratio to `baseline`'s at the same strategy and rank count.
+
+    Columns: model, parallel, panel ("model, parallel"), gpus (the rank
+    count), mom, max_batch_size, best_batch_size, max_throughput, ratio: what
+    `momlab.plots.gpu_count` draws (a panel per strategy with
+    ``model=panel``). Rows at one rank (parallel ``none``) are repeated under
+    every strategy, as its 1-GPU point.
+    """
+    import pandas as pd
+
+    df = df[df["fits"].astype(bool)]
+    strategies = sorted({p for p in df["parallel"] if p != "none"}) or ["none"]
+    rows = []
+    for (model, par, ranks, mom), g in df.groupby(["model", "parallel", "ranks", "mom"]):
+        best = g.loc[g["throughput"].idxmax()]
+        for p in (strategies if par == "none" else [par]):
+            rows.append(dict(model=model, parallel=p, panel=f"{model}, {p}", gpus=int(ranks), mom=mom,
+                             max_batch_size=int(g["batch_size"].max()), best_batch_size=int(best["batch_size"]),
+                             max_throughput=float(best["throughput"])))
+    out = pd.DataFrame(rows, columns=["model", "parallel", "panel", "gpus", "mom", "max_batch_size",
+                                      "best_batch_size", "max_throughput"])
+    base = out[out["mom"] == baseline].set_index(["model", "parallel", "gpus"])["max_throughput"]
+    out["ratio"] = [t / base.get((m, p, g), math.nan)
+                    for m, p, g, t in zip(out["model"], out["parallel"], out["gpus"], out["max_throughput"])]
+    return out.sort_values(["model", "parallel", "mom", "gpus"]).reset_index(drop=True)
+
+
+def rank_memory(df, batch_size: int | None = None):
+    """Per-rank memory against rank count: one row per (model, parallel, ranks, mom, batch) that fits, with
+    the per-rank fields (maximum over ranks) and ``comm_bytes``."""
+    df = df[df["fits"].astype(bool)].copy()
+    if batch_size is not None:
+        df = df[df["batch_size"] == batch_size]
+    df["comm_bytes"] = [(o or {}).get("comm_bytes", 0) if isinstance(o, dict) else 0 for o in df["options"]]
+    df["model_state_bytes"] = df["params_bytes"] + df["grads_bytes"] + df["optimizer_bytes"]
+    cols = ["model", "parallel", "ranks", "mom", "batch_size", "peak_bytes", "params_bytes", "grads_bytes",
+            "optimizer_bytes", "model_state_bytes", "activation_bytes", "comm_bytes", "workspace_bytes", "host_bytes"]
+    return df[cols].sort_values(["model", "parallel", "mom", "batch_size", "ranks"]).reset_index(drop=True)
+
+
+def rank_memory_figure(table, *, title: str | None = "Per-rank memory against rank count"):
+    """Per-rank peak and model state (weights + gradients + optimizer) against rank count, a line per parallel
+    strategy and MOM. Takes `rank_memory`'s table (one batch size). Belongs in momlab.plots."""
+    from matplotlib.figure import Figure
+
+    from momlab.units import format_bytes
+
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    styles = {"none": ("#222222", "o"), "ddp": ("#0173b2", "s"), "fsdp": ("#de8f05", "^"),
+              "zero2": ("#029e73", "v")}
+    dashes = ["-", "--", ":", "-."]
+    moms = sorted(dict.fromkeys(table["mom"]), key=lambda m: m != "exact")  # exact solid, first
+    strategies = [p for p in dict.fromkeys(table["parallel"]) if p != "none"]
+    for ax, column, label in zip(axes, ["peak_bytes", "model_state_bytes"], ["peak", "weights + grads + optimizer"]):
+        for p in strategies:
+            color, marker = styles.get(p.split("+")[0], ("#949494", "D"))
+            for i, mom in enumerate(moms):
+                t = table[((table["parallel"] == p) | (table["parallel"] == "none")) & (table["mom"] == mom)]
+                t = t.sort_values("ranks")
+                ax.plot(t["ranks"], t[column] / 2**20, color=color, marker=marker, linestyle=dashes[i % 4],
+                        label=f"{p}, {mom}")
+        ax.set_xscale("log", base=2)
+        counts = sorted(set(table["ranks"]))
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.minorticks_off()
+        ax.set_xlabel("ranks")
+        ax.set_title(f"per-rank {label}", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("MiB per rank")
+    axes[1].legend(fontsize=8, frameon=False, loc="upper right")
+    if title:
+        peak = format_bytes(table["peak_bytes"].max()) if len(table) else "-"
+        fig.suptitle(f"{title} (largest peak {peak}; 1 rank = plain training)", fontsize=11)
+    return fig
+
+
+# -- command line: `python -m momlab measure MODEL --ranks 2 --parallel fsdp` -----------------------------
+
+def add_subparsers(subparsers) -> None:
+    """Give momlab.cli's `measure` the flags --ranks, --parallel, --offload and --timeout.
+
+    Any of them set routes the command to `measure_distributed`; without them
+    `measure` runs as before.
+    """
+    m = subparsers.choices.get("measure")
+    if m is None:
+        return
+    m.add_argument("--ranks", type=int, default=None, help="ranks (processes; one GPU each on cuda)")
+    m.add_argument("--parallel", default=None, choices=PARALLEL,
+                   help="data parallel strategy (default ddp when --ranks is given)")
+    m.add_argument("--offload", action="store_true", help="fsdp/zero2: shards and optimizer state on the host")
+    m.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before the run is stopped")
+    single = m.get_default("func")
+
+    def dispatch(args) -> int:
+        if args.ranks is None and args.parallel is None and not args.offload:
+            return single(args)
+        return cli_measure(args)
+
+    m.set_defaults(func=dispatch)
+
+
+def cli_measure(args) -> int:
+    from momlab.cli import _table, size_from
+
+    ranks = 1 if args.ranks is None else args.ranks
+    parallel = args.parallel or ("fsdp" if args.offload else "ddp" if ranks > 1 else "none")
+    try:
+        m = measure_distributed(args.model, args.mom, ranks=ranks, parallel=parallel, offload=args.offload,
+                                batch_size=args.batch_size, device=args.device, budget=args.budget,
+                                precision=args.precision, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                                timeout_s=args.timeout, **size_from(args, args.model))
+    except RankFailed as exc:
+        print(f"python -m momlab measure: error: {exc}", file=__import__("sys").stderr)
+        return 1
+    d = m.to_dict()
+    if args.json:
+        print(json.dumps(d, allow_nan=True))
+    else:
+        per_rank = d["options"].pop("per_rank")
+        d["options"].pop("losses", None)
+        print(_table(d))
+        from momlab.units import format_bytes
+
+        for r in per_rank:
+            print(f"rank {r['rank']}: " + ", ".join(f"{k[:-6]} {format_bytes(r[k])}" for k in RANK_FIELDS))
+    return 0
+
+
+__all__ = ["PARALLEL", "RankFailed", "RankTracker", "apply_ddp", "apply_fsdp", "launch", "measure_distributed",
+           "measurer", "parallelize", "parse_parallel", "rank_memory", "rank_memory_figure", "rank_scaling",
+           "scan_ranks"]

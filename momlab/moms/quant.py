@@ -1,0 +1,259 @@
+"""quant8 / quant4 / quant2: activation-compressed training.
+
+Every activation saved for backward is stored in 8, 4 or 2 bits and restored
+(approximately) when backward needs it; ActNN (Chen et al., 2021) and GACT
+(Liu et al., 2022). Each group of 256 consecutive values gets its own minimum
+and scale, codes are rounded *stochastically* so the restored value is
+unbiased (E[dequant(quant(x))] = x, hence unbiased gradients of the linear
+ops that use it), and codes are bit-packed into uint8: 4 bits really cost
+half a byte per value. Trade-off: about 32/bits less activation memory (plus
+8 bytes of metadata per group) for extra gradient variance and the
+(de)quantization kernels' time.
+
+Which saved tensors are packed:
+- floating-point tensors of at least ``min_numel`` (1024) values. Below that
+  the 8-byte group metadata, the kernel launches and the Python overhead cost
+  more than the bytes saved (a 256-value fp32 group is 1 KiB);
+- boolean tensors (dropout masks) of at least ``min_numel`` values are
+  bit-packed *losslessly*, 1 bit per value;
+- per-row statistics (a last dimension of 1, e.g. layer norm's mean and rstd)
+  stay exact: they are 1/hidden of an activation, so keeping them costs
+  almost nothing, and an error in one scales a whole row;
+- integer tensors (indices) and tiny tensors stay as they are (a tiny view of
+  a large tensor is stored as a compact copy, so it does not pin the rest).
+Model parameters and buffers are never packed: that is decided outside this
+module (``momlab.moms.compose``), which sees the model.
+
+Randomness for stochastic rounding comes from a dedicated ``torch.Generator``
+per device, so the model's own RNG stream (dropout) is the same as without
+quantization and runs stay comparable to ``exact``.
+
+Apply it through ``momlab.moms.apply(model, "quant4")``; this module exposes
+the `Quantizer` (the pack/unpack pair, and its parameters) and the
+`quantize` / `dequantize` functions it is built on.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["BITS", "GROUP_SIZE", "MIN_NUMEL", "Packed", "Quantizer", "dequantize", "pack_mask", "packed_bytes",
+           "quantize"]
+
+BITS = (8, 4, 2)
+GROUP_SIZE = 256  # values sharing one (min, scale): ActNN/GACT's granularity
+MIN_NUMEL = 1024  # smaller saved tensors are kept as they are (see above)
+META_DTYPE = torch.float32  # min and scale: fp32 so the offset is exact and no range overflows
+# values (de)quantized per step: the float32 temporaries then take a few MiB
+# whatever the tensor's size, instead of several copies of, say, GPT-2's logits
+CHUNK = 1 << 20
+
+
+class Packed(NamedTuple):
+    """A saved tensor in packed form; its tensors are all that is stored."""
+
+    data: torch.Tensor  # uint8: bit-packed codes (bits 8/4/2) or mask bits (bits 1)
+    meta: torch.Tensor | None  # META_DTYPE [groups, 2]: (min, scale) per group; None for masks
+    shape: tuple
+    dtype: torch.dtype
+    bits: int
+
+
+def packed_bytes(p: Packed) -> int:
+    """Bytes the packed form stores: codes plus metadata."""
+    meta = 0 if p.meta is None else p.meta.numel() * p.meta.element_size()
+    return p.data.numel() * p.data.element_size() + meta
+
+
+# -- the tensor programs (pure functions of tensors: torch.compile can take them) --
+
+def _encode(flat: torch.Tensor, noise: torch.Tensor, bits: int):
+    """Codes and (min, scale) of a flat float32 tensor padded to whole groups."""
+    groups = flat.view(-1, GROUP_SIZE)
+    lo = groups.amin(dim=1, keepdim=True)  # (torch.aminmax over a dim is ~10x slower on CPU)
+    hi = groups.amax(dim=1, keepdim=True)
+    levels = 2 ** bits - 1
+    scale = (hi - lo) / levels
+    # a constant group has scale 0: every code is 0 and decodes to lo, exactly
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    # stochastic rounding: floor(v + u), u ~ U[0, 1), is v on average; the
+    # value is >= 0 after the clamp, so the cast to uint8 is the floor
+    v = (groups - lo).div_(scale).add_(noise.view_as(groups)).clamp_(0, levels)
+    return _pack_bits(v.to(torch.uint8).view(-1), bits), torch.cat([lo, scale], dim=1).to(META_DTYPE)
+
+
+def _decode(data: torch.Tensor, meta: torch.Tensor, bits: int) -> torch.Tensor:
+    codes = _unpack_bits(data, bits).view(-1, GROUP_SIZE)
+    lo, scale = meta.float().split(1, dim=1)
+    return torch.addcmul(lo, codes, scale)
+
+
+def _pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes of `bits` bits each -> 8/bits codes per byte.
+
+    Byte i holds codes i, i + m, i + 2m, ... (m = n * bits / 8), lowest bits
+    first: every operation then reads and writes contiguous memory.
+    """
+    if bits == 8:
+        return codes
+    rows = codes.view(8 // bits, -1)
+    packed = rows[0].clone()
+    for j in range(1, rows.shape[0]):  # over the 2-8 codes of a byte, not over values
+        packed |= rows[j] << (bits * j)
+    return packed
+
+
+def _unpack_bits(data: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits == 8:
+        return data
+    mask = (1 << bits) - 1
+    return torch.stack([(data >> (bits * j)) & mask for j in range(8 // bits)]).view(-1)
+
+
+# -- public functions -------------------------------------------------------------
+
+def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = None,
+             encode=_encode) -> Packed:
+    """Pack a floating-point tensor into `bits`-bit codes (stochastic rounding).
+
+    The flat tensor is padded to a whole number of 256-value groups with its
+    own last value (so padding never widens a group's range); the codes take
+    ``ceil(n / 256) * 256 * bits / 8`` bytes and the metadata 8 bytes a group.
+
+    >>> p = quantize(torch.randn(4096), 4)
+    >>> packed_bytes(p) == 4096 // 2 + 16 * 8
+    True
+    """
+    if bits not in BITS:
+        raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+    if not x.is_floating_point():
+        raise ValueError(f"quantize takes a floating-point tensor, got {x.dtype}")
+    with torch.no_grad():
+        flat = x.detach().reshape(-1)
+        n = flat.numel()
+        groups = -(-n // GROUP_SIZE)
+        data = torch.empty(groups * GROUP_SIZE * bits // 8, dtype=torch.uint8, device=x.device)
+        meta = torch.empty(groups, 2, dtype=META_DTYPE, device=x.device)
+        for start in range(0, n, CHUNK):
+            chunk = flat[start:start + CHUNK].float()
+            pad = (-chunk.numel()) % GROUP_SIZE
+            if pad:
+                chunk = torch.cat([chunk, chunk[-1:].expand(pad)])
+            noise = torch.rand(chunk.shape, generator=generator, device=chunk.device)
+            codes, stats = encode(chunk, noise, bits)
+            data[start * bits // 8:][:codes.numel()].copy_(codes)
+            meta[start // GROUP_SIZE:][:stats.shape[0]].copy_(stats)
+    return Packed(data, meta, tuple(x.shape), x.dtype, bits)
+
+
+def pack_mask(x: torch.Tensor) -> Packed:
+    """Bit-pack a boolean tensor losslessly: 8 values per byte."""
+    with torch.no_grad():
+        flat = x.detach().reshape(-1)
+        pad = (-flat.numel()) % 8
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        data = _pack_bits(flat.to(torch.uint8), 1)
+    return Packed(data, None, tuple(x.shape), x.dtype, 1)
+
+
+def dequantize(p: Packed, *, decode=_decode) -> torch.Tensor:
+    """The tensor `p` was packed from (exact for masks, unbiased estimate otherwise)."""
+    n = 1
+    for d in p.shape:
+        n *= d
+    with torch.no_grad():
+        if p.bits == 1:
+            return _unpack_bits(p.data, 1)[:n].to(torch.bool).view(p.shape)
+        out = torch.empty(n, dtype=p.dtype, device=p.data.device)
+        for start in range(0, n, CHUNK):
+            values = decode(p.data[start * p.bits // 8:][:CHUNK * p.bits // 8],
+                            p.meta[start // GROUP_SIZE:][:CHUNK // GROUP_SIZE], p.bits)
+            out[start:start + CHUNK].copy_(values.view(-1)[:n - start])
+        return out.view(p.shape)
+
+
+class Quantizer:
+    """The pack/unpack pair of quant8 / quant4 / quant2 for ``saved_tensors_hooks``.
+
+    Parameters: `bits` (8, 4 or 2); `min_numel`, the smallest tensor packed;
+    `seed` of the rounding generators; `compile`: run the encode/decode
+    programs through ``torch.compile`` (default: only on CUDA, where they are
+    memory-bound kernels worth fusing; the plain ops elsewhere).
+
+    >>> q = Quantizer(4)
+    >>> x = torch.randn(64, 64)
+    >>> (q.unpack(q.pack(x)) - x).abs().max() < (x.max() - x.min()) / 15
+    tensor(True)
+    """
+
+    def __init__(self, bits: int, *, min_numel: int = MIN_NUMEL, seed: int = 0, compile: bool | None = None):
+        if bits not in BITS:
+            raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+        self.bits = bits
+        self.min_numel = min_numel
+        self.seed = seed
+        self.compile = compile
+        self._generators: dict[torch.device, torch.Generator | None] = {}
+        self._programs: dict[str, tuple] = {}
+
+    def pack(self, x: torch.Tensor):
+        if x.numel() < self.min_numel or (x.dim() > 1 and x.shape[-1] == 1):
+            # kept exact; but a small view (BERT's pooler saves hidden[:, 0])
+            # would pin its whole storage: a compact copy lets that go
+            if x.untyped_storage().nbytes() > 2 * x.numel() * x.element_size():
+                with torch.no_grad():
+                    return x.detach().clone()
+            return x
+        if x.dtype == torch.bool:
+            return pack_mask(x)
+        if not x.is_floating_point():
+            return x
+        encode, _ = self._program(x.device)
+        return quantize(x, self.bits, generator=self._generator(x.device), encode=encode)
+
+    def unpack(self, h):
+        if isinstance(h, Packed):
+            _, decode = self._program(h.data.device)
+            return dequantize(h, decode=decode)
+        return h
+
+    def _generator(self, device: torch.device) -> torch.Generator | None:
+        if device not in self._generators:
+            # the meta device has no generator (and no values to round)
+            gen = None if device.type == "meta" else torch.Generator(device=device)
+            if gen is not None:
+                gen.manual_seed(self.seed)
+            self._generators[device] = gen
+        return self._generators[device]
+
+    def _program(self, device: torch.device) -> tuple:
+        kind = device.type
+        if kind not in self._programs:
+            use = self.compile if self.compile is not None else kind == "cuda"
+            if use:
+                self._programs[kind] = (_Compiled(_encode), _Compiled(_decode))
+            else:
+                self._programs[kind] = (_encode, _decode)
+        return self._programs[kind]
+
+
+class _Compiled:
+    """`fn` through torch.compile; if compiling fails, say so once and run `fn` as it is."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=True)
+
+    def __call__(self, *args):
+        if self.compiled is not None:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # no compiler toolchain on this machine (e.g. triton missing)
+                warnings.warn(f"quant: torch.compile of {self.fn.__name__} failed ({e!r}); "
+                              "using the plain ops", stacklevel=2)
+                self.compiled = None
+        return self.fn(*args)
