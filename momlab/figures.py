@@ -39,15 +39,16 @@ def read(path) -> dict:
     return params
 
 
-def parameters_for(params: dict, notebook: str) -> dict | None:
+def parameters_for(params: dict, notebook: str, overrides: dict | None = None) -> dict | None:
     """The values papermill injects into `notebook` (None: not in this file)."""
     own = (params.get("notebooks") or {}).get(notebook)
     if own is None:
         return None
-    return {**(params.get("common") or {}), **own}
+    return {**(params.get("common") or {}), **own, **(overrides or {})}
 
 
-def run(params_path, notebooks, out_dir=ROOT / "build" / "notebooks") -> list[Path]:
+def run(params_path, notebooks, out_dir=ROOT / "build" / "notebooks", overrides: dict | None = None) -> list[Path]:
+    """Execute `notebooks` with the values of `params_path` (and `overrides`, e.g. another figures_dir)."""
     import papermill
 
     params = read(params_path)
@@ -55,7 +56,7 @@ def run(params_path, notebooks, out_dir=ROOT / "build" / "notebooks") -> list[Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     done = []
     for nb in map(Path, notebooks):
-        values = parameters_for(params, nb.stem)
+        values = parameters_for(params, nb.stem, overrides)
         if values is None:
             print(f"skip {nb.name}: not in {params_path}")
             continue

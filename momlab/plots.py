@@ -608,6 +608,47 @@ def compare_table(ours_s1: pd.DataFrame, paper_s1: pd.DataFrame) -> pd.DataFrame
     return out[order + [c for c in out.columns if c not in order]]
 
 
+def gradient_error(errors: pd.DataFrame, *, title: str | None = "Gradient error of activation quantization",
+                   device=None) -> Figure:
+    """Relative gradient error against the number of rounding draws averaged,
+    a line per MOM (``lossy.gradient_error``'s table). Unbiased rounding
+    shows as the error of the mean falling like 1/sqrt(draws) (dotted guide);
+    the single-draw error is the line's first point."""
+    fig = Figure(figsize=(5.6, 3.8), layout="constrained")
+    ax = fig.subplots()
+    for mom in _moms_in_order(errors["mom"]):
+        d = errors[errors["mom"] == mom].sort_values("draws")
+        st = mom_style(mom)
+        ax.plot(d["draws"], d["error_of_mean"], color=st["color"], marker=st["marker"], label=st["label"])
+        first = float(d["error_of_mean"].iloc[0])
+        ax.plot(d["draws"], first / np.sqrt(d["draws"]), color=st["color"], linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("rounding draws averaged")
+    ax.set_ylabel("relative gradient error ||g - g_exact|| / ||g_exact||")
+    ax.legend(title="dotted: 1/sqrt(draws)", fontsize=8, title_fontsize=8)
+    _title(fig, title, describe(errors, device=device))
+    return fig
+
+
+def loss_curves(curves: pd.DataFrame, *, title: str | None = "Training loss, exact vs quantized activations",
+                smooth: int = 10) -> Figure:
+    """Training loss per step, a line per MOM (``lossy.train_curves``'s table),
+    smoothed over `smooth` steps."""
+    fig = Figure(figsize=(5.6, 3.8), layout="constrained")
+    ax = fig.subplots()
+    for mom in _moms_in_order(curves["mom"]):
+        d = curves[curves["mom"] == mom].sort_values("step")
+        st = mom_style(mom)
+        ax.plot(d["step"], d["loss"].rolling(smooth, min_periods=1).mean(), color=st["color"],
+                linestyle=st.get("linestyle", "-"), label=st["label"])
+    ax.set_xlabel("training step")
+    ax.set_ylabel(f"cross-entropy loss (mean of {smooth} steps)")
+    ax.legend(fontsize=8)
+    _title(fig, title, "")
+    return fig
+
+
 def save(fig: Figure, path_without_ext: str | Path) -> list[Path]:
     """Write ``<path>.png`` (150 dpi) and ``<path>.pdf``; return both paths."""
     base = Path(path_without_ext)
@@ -619,4 +660,4 @@ def save(fig: Figure, path_without_ext: str | Path) -> list[Path]:
 
 
 __all__ = ["MOM_STYLE", "mom_style", "describe", "memory_breakdown", "batch_curves",
-           "largest_model", "size_curves", "gpu_count", "compare_table", "save"]
+           "largest_model", "size_curves", "gpu_count", "compare_table", "gradient_error", "loss_curves", "save"]

@@ -248,8 +248,9 @@ def to_frame(records: list[dict]):
     return pd.DataFrame(rows)
 
 
-def load(path):
+def load(path, *, missing_ok: bool = False):
     """The store at `path` (or several paths) as a DataFrame; see `to_frame`.
+    A store not written yet raises FileNotFoundError, or reads as empty with `missing_ok`.
 
     >>> df = load("results/s1_cpu.jsonl")  # doctest: +SKIP
     >>> df[["model", "mom", "batch_size", "size.num_layers", "fits", "throughput"]]  # doctest: +SKIP
@@ -258,6 +259,8 @@ def load(path):
     records = []
     for p in paths:
         if not Path(p).exists():
+            if missing_ok:
+                continue
             raise FileNotFoundError(f"no results store at {p}")
         records.extend(read_records(p))
     return to_frame(records)

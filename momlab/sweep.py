@@ -47,7 +47,7 @@ FILE_KEYS = {
     "moms": "MOM name or list; combinations join names with '+' (default: exact)",
     "batch_sizes": "'auto' (search the maximum per MOM, measure a geometric grid up to it) or a list",
     "batch_step": "grid step of the 'auto' batch search (default 1; the paper used 4)",
-    "size": "size keywords fixed for every point, or 'tiny' for each model's tiny preset",
+    "size": "size keywords fixed for every point, 'tiny' for each model's tiny preset, or {model: either}",
     "sizes": "{size keyword: list of values, or 'auto'}: scanned one keyword at a time",
     "budget": "memory budget, bytes or '2GiB', or a list (default: none; cpu searches need one)",
     "device": "cpu or cuda[:N] (default cpu)",
@@ -159,6 +159,18 @@ class _Runner:
         return to_frame(records)
 
 
+def model_size(size, model: str) -> dict:
+    """The fixed size keywords of `model`: `size` is None, "tiny", a mapping of
+    size keywords, or a mapping {model name: any of those} (one per model)."""
+    from momlab import catalog
+
+    if isinstance(size, dict) and size and set(size) <= set(catalog.models()):
+        size = size.get(model)
+    if size == "tiny":
+        return catalog.tiny(model)
+    return dict(size or {})
+
+
 def _check(models, moms, batch_sizes, budgets, device, precisions, size, sizes, steps, warmup, seed, batch_step,
            search_steps, validate_names):
     for name, v, low in (("steps", steps, 1), ("warmup", warmup, 1), ("seed", seed, 0),
@@ -171,7 +183,8 @@ def _check(models, moms, batch_sizes, budgets, device, precisions, size, sizes, 
     elif not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes must be 'auto' or a non-empty list of positive ints, got {batch_sizes!r}")
     if not (size is None or size == "tiny" or isinstance(size, dict)):
-        raise ValueError(f"size must be a mapping of size keywords or 'tiny', got {size!r}")
+        raise ValueError(f"size must be a mapping of size keywords, 'tiny', or a mapping of model names to "
+                         f"either, got {size!r}")
     if sizes is not None and not isinstance(sizes, dict):
         raise ValueError(f"sizes must be a mapping {{size keyword: list of values or 'auto'}}, got {sizes!r}")
     for dim, values in (sizes or {}).items():
@@ -252,12 +265,7 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
 
     try:
         for model in models:
-            if size == "tiny":
-                from momlab import catalog
-
-                fixed = catalog.tiny(model)
-            else:
-                fixed = dict(size or {})
+            fixed = model_size(size, model)
             # a scanned keyword replaces the fixed one; S1 sweeps scan only the batch
             scans = [(dim, {**fixed, dim: v}) for dim, v in listed] if sizes else [("batch_size", fixed)]
             for prec in precisions:
