@@ -32,6 +32,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.ticker import MaxNLocator
 
 from momlab.reference import UNITS
 from momlab.units import format_bytes, parse_bytes
@@ -463,6 +464,7 @@ def largest_model(df_s2: pd.DataFrame, *, dim: str | None = None, batch_size: in
               for m, o in zip(table["mom"], table["_origin"])]
     ax.set_xticks(x, labels, rotation=30, ha="right", fontsize=9)
     ax.set_ylabel(f"largest {DIM_LABELS.get(d, d)}")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylim(top=max(heights.max(), 1) * 1.15)
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)
@@ -522,6 +524,7 @@ def size_curves(df: pd.DataFrame, dim: str, *, title: str | None = None, unit: s
             t = t.sort_values("value")
             ax.plot(t["value"], t["max_throughput"], **_line_kw(mom, origin, mixed))
     ax.set_xlabel(DIM_LABELS.get(dim, dim))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # sizes are whole layers / widths
     ax.set_ylabel(f"max throughput ({_unit_for(model, unit)})")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)

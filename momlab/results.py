@@ -248,9 +248,10 @@ def to_frame(records: list[dict]):
     return pd.DataFrame(rows)
 
 
-def load(path, *, missing_ok: bool = False):
+def load(path, *, missing_ok: bool = False, run: str | None = None):
     """The store at `path` (or several paths) as a DataFrame; see `to_frame`.
     A store not written yet raises FileNotFoundError, or reads as empty with `missing_ok`.
+    `run` keeps only the records a sweep of that name measured (`sweep(name=...)`).
 
     >>> df = load("results/s1_cpu.jsonl")  # doctest: +SKIP
     >>> df[["model", "mom", "batch_size", "size.num_layers", "fits", "throughput"]]  # doctest: +SKIP
@@ -262,5 +263,5 @@ def load(path, *, missing_ok: bool = False):
             if missing_ok:
                 continue
             raise FileNotFoundError(f"no results store at {p}")
-        records.extend(read_records(p))
+        records.extend(r for r in read_records(p) if run is None or (r.get("run") or {}).get("name") == run)
     return to_frame(records)
