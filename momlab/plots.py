@@ -259,6 +259,9 @@ def memory_breakdown(df: pd.DataFrame, *, title: str | None = "Memory breakdown"
             parts.append(mom_style(r["mom"])["label"])
         if several("batch_size"):
             parts.append(f"batch {int(r['batch_size'])}")
+        note = _scaled_note(r)
+        if note:
+            parts.append(note)
         if mixed:
             parts.append(f"({r['_origin']})")
         labels.append("\n".join(parts))
@@ -288,6 +291,25 @@ def memory_breakdown(df: pd.DataFrame, *, title: str | None = "Memory breakdown"
     ax.legend(fontsize=8, ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     _title(fig, title, describe(df, device=device, precision=precision, budget=budget))
     return fig
+
+
+_SHORT = {"num_layers": "layers", "hidden_size": "hidden", "num_heads": "heads", "seq_len": "seq",
+          "image_size": "px", "width_per_group": "wpg"}
+
+
+def _scaled_note(row: pd.Series) -> str:
+    """The size keywords where a record differs from its catalog model's default ("4 layers")."""
+    from momlab import catalog
+
+    if row.get("model") not in catalog.models():
+        return ""
+    default = catalog.spec(row["model"]).size
+    diff = []
+    for k, v in default.items():
+        got = row.get(f"size.{k}")
+        if got is not None and not pd.isna(got) and int(got) != v:
+            diff.append(f"{int(got)} {_SHORT[k]}")
+    return ", ".join(diff)
 
 
 def _with_size_label(df: pd.DataFrame) -> pd.DataFrame:
@@ -570,7 +592,7 @@ def gpu_count(df: pd.DataFrame, *, moms: list[str] | None = None,
         ax.set_xticks(counts, [str(c) for c in counts])
         ax.minorticks_off()
         ax.set_title(model, fontsize=10)
-        ax.set_xlabel("number of GPUs (data parallel)")
+        ax.set_xlabel("GPUs or ranks (data parallel)")
         ax.set_ylabel("max throughput / Exact's")
         ax.grid(alpha=0.3)
     exact = Line2D([], [], color=EXACT_COLOR, linestyle="--", label="Exact (= 1)")
@@ -617,7 +639,7 @@ def gradient_error(errors: pd.DataFrame, *, title: str | None = "Gradient error 
     a line per MOM (``lossy.gradient_error``'s table). Unbiased rounding
     shows as the error of the mean falling like 1/sqrt(draws) (dotted guide);
     the single-draw error is the line's first point."""
-    fig = Figure(figsize=(5.6, 3.8), layout="constrained")
+    fig = Figure(figsize=(6.8, 3.8), layout="constrained")
     ax = fig.subplots()
     for mom in _moms_in_order(errors["mom"]):
         d = errors[errors["mom"] == mom].sort_values("draws")
@@ -629,7 +651,9 @@ def gradient_error(errors: pd.DataFrame, *, title: str | None = "Gradient error 
     ax.set_yscale("log")
     ax.set_xlabel("rounding draws averaged")
     ax.set_ylabel("relative gradient error ||g - g_exact|| / ||g_exact||")
-    ax.legend(title="dotted: 1/sqrt(draws)", fontsize=8, title_fontsize=8)
+    # outside the axes: the lines span the whole height
+    ax.legend(title="dotted: 1/sqrt(draws)", fontsize=8, title_fontsize=8, loc="center left",
+              bbox_to_anchor=(1.01, 0.5))
     _title(fig, title, describe(errors, device=device))
     return fig
 
