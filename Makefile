@@ -22,10 +22,10 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed ## create .venv with the pinned dependencies
 
 test: $(VENV)/.installed ## run the test suite (CPU, tiny configs, notebooks with params/smoke.yaml)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/browser
 
 test-fast: $(VENV)/.installed ## the tests not marked slow
-	$(PY) -m pytest -q -m 'not slow'
+	$(PY) -m pytest -q --ignore=tests/browser -m "not slow"
 
 figures: $(VENV)/.installed ## run every notebook with $(PARAMS): results/ and figures/
 	$(PY) -m momlab.figures $(PARAMS) $(NOTEBOOKS)

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from momlab import catalog
 from momlab.device import autocast, check_device
@@ -92,7 +93,9 @@ class Workload:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss.detach().float().item() if self.device.type != "meta" else float("nan")
+        if self.device.type == "meta" or is_fake(loss):  # no data: a traced step (momlab.estimate)
+            return float("nan")
+        return loss.detach().float().item()
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The resident tensors by category: params (with buffers), grads, optimizer."""
@@ -117,7 +120,9 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
         with torch.device("meta"):
             net = catalog.make_model(model, size)
     else:
-        net = catalog.make_model(model, size).to(dev)
+        net = catalog.make_model(model, size)
+        if dev.type != "cpu":  # built on the CPU; .to() would try to swap a fake tensor's storage (estimate)
+            net = net.to(dev)
     net.train()
     handle = None
     if mom != "exact":

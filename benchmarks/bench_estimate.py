@@ -1,0 +1,139 @@
+"""Benchmark: how fast an estimate is, and how far it is from the measured peak, beside two usual methods.
+
+Side by side in one run:
+
+1. Time per estimate for bert-large (real size) on an A100-40: the first
+   point of a configuration (two traces) and every later point (read off the
+   cached traces), at batch sizes from 1 to 1024. Target: under 2 s a point.
+2. Error against the measured peak on this CPU (small and medium configs,
+   `momlab.measure`), for three predictors on the same configurations:
+   - momlab: ``estimate(..., gpu="cpu")`` (a traced step);
+   - accelerate's approach: weights + gradients + optimizer state, by formula
+     (what ``accelerate estimate-memory`` reports for training: 4 bytes a
+     parameter for weights, 4 for gradients, 8 for Adam's two moments, 4 for
+     SGD's momentum; computed here, accelerate is not installed);
+   - torchinfo's ``summary(...).total_*`` (params + input + forward/backward
+     pass = 2 x the sum of module outputs), when torchinfo is installed.
+3. The widget update of notebook 06 (`momlab.whatif`): batch slider moves
+   and GPU switches on cached traces. Target: under 0.5 s.
+
+Usage: python benchmarks/bench_estimate.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import replace
+
+from momlab import catalog
+from momlab.estimate import clear_cache, estimate, profile
+from momlab.measure import measure
+
+CONFIGS = [  # (model, mom, batch, size): small and medium, CPU-measurable in seconds
+    ("bert-base", "exact", 8, catalog.tiny("bert-base")),
+    ("bert-base", "exact", 8, {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "seq_len": 128}),
+    ("bert-base", "ckpt", 8, {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "seq_len": 128}),
+    ("gpt2", "exact", 4, {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "seq_len": 128}),
+    ("gpt2", "quant4", 4, {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "seq_len": 128}),
+    ("vit-base", "exact", 8, {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "image_size": 64}),
+    ("resnet50", "exact", 8, catalog.tiny("resnet50")),
+    ("resnet50", "swap", 8, catalog.tiny("resnet50")),
+]
+
+
+def accelerate_formula(m) -> int:
+    """Weights + gradients + optimizer state: what a parameter-count formula can know."""
+    per_param = {"adamw": 4 + 4 + 8, "sgd": 4 + 4 + 4}[catalog.spec(m.model).optimizer]
+    params = m.params_bytes // 4  # fp32 weights (buffers included: the formula cannot tell them apart)
+    return params * per_param
+
+
+def torchinfo_estimate(model, batch, size):
+    try:
+        import torchinfo
+    except ImportError:
+        return None
+    from momlab.workload import build
+
+    w = build(model, batch_size=batch, **size)
+    inputs = {k: v for k, v in w.batch().items() if k != "labels"}
+    s = torchinfo.summary(w.model, input_data=inputs, mode="train", verbose=0)
+    return s.total_input + s.total_output_bytes + s.total_param_bytes
+
+
+def time_per_point(quick: bool):
+    print("== time per estimate, bert-large (real size) on A100-40")
+    for mom in (("exact",) if quick else ("exact", "ckpt")):
+        clear_cache()
+        t0 = time.perf_counter()
+        estimate("bert-large", mom, batch_size=256, gpu="A100-40")
+        cold = time.perf_counter() - t0
+        warm = []
+        for b in (1, 8, 64, 256, 1024):
+            t0 = time.perf_counter()
+            e = estimate("bert-large", mom, batch_size=b, gpu="A100-40")
+            warm.append(time.perf_counter() - t0)
+        prof = profile("bert-large", mom)
+        print(f"  {mom:6s} first point {cold:6.2f} s (build+warm-up {prof.session.build_seconds:.2f} s, traces "
+              f"{prof.lo.seconds:.2f} + {prof.hi.seconds:.2f} s); later points median "
+              f"{statistics.median(warm) * 1e3:.1f} ms, max {max(warm) * 1e3:.1f} ms "
+              f"(batch 1024: peak {e.peak_bytes / 2 ** 30:.1f} GiB, fits={e.fits})")
+
+
+def errors(quick: bool):
+    print("== error against the measured peak on this CPU (relative, signed)")
+    print(f"  {'config':54s} {'measured':>10s} {'momlab':>8s} {'accel.':>8s} {'torchinfo':>9s}")
+    rows = CONFIGS[:3] if quick else CONFIGS
+    errs = {"momlab": [], "accelerate": [], "torchinfo": []}
+    for model, mom, batch, size in rows:
+        m = measure(model, mom, batch_size=batch, steps=1, **size)
+        e = estimate(model, mom, batch_size=batch, gpu="cpu", **size)
+        acc = accelerate_formula(m)
+        ti = torchinfo_estimate(model, batch, size) if mom == "exact" else None
+        rel = lambda x: (x - m.peak_bytes) / m.peak_bytes  # noqa: E731
+        errs["momlab"].append(abs(rel(e.peak_bytes)))
+        errs["accelerate"].append(abs(rel(acc)))
+        if ti is not None:
+            errs["torchinfo"].append(abs(rel(ti)))
+        name = f"{model} {mom} b{batch} " + ",".join(f"{k[:1]}{v}" for k, v in size.items())
+        print(f"  {name:54s} {m.peak_bytes / 2 ** 20:8.1f}Mi {rel(e.peak_bytes):+8.1%} {rel(acc):+8.1%} "
+              + (f"{rel(ti):+9.1%}" if ti is not None else f"{'-':>9s}"))
+    for k, v in errs.items():
+        if v:
+            print(f"  mean |error| {k:10s} {statistics.mean(v):7.1%}  (n={len(v)})")
+    if not errs["torchinfo"]:
+        print("  torchinfo: not installed (pip install torchinfo==1.8.0 to include it)")
+
+
+def widget_updates():
+    from momlab import whatif
+
+    print("== what-if widget updates (cached traces)")
+    state = whatif.State("bert-large", "A100-40", "fp32", ("exact", "ckpt"), 64)
+    whatif.compute(state)  # traces once
+    fig = None
+    times = {}
+    for label, s in (("batch 64 -> 256", replace(state, batch_size=256)), ("batch -> 1024", replace(state, batch_size=1024)),
+                     ("GPU -> H100-80", replace(state, gpu="H100-80")), ("GPU -> V100-32", replace(state, gpu="V100-32"))):
+        t0 = time.perf_counter()
+        view = whatif.compute(s)
+        fig = whatif.figure(view, fig)
+        whatif.png(fig)
+        times[label] = time.perf_counter() - t0
+    for k, v in times.items():
+        print(f"  {k:18s} {v * 1e3:7.1f} ms")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="fewer configurations")
+    a = ap.parse_args()
+    time_per_point(a.quick)
+    widget_updates()
+    errors(a.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1024 @@
+"""Predict memory and speed of a training step on a GPU we are not running on.
+
+Memory is not modelled, it is *traced*: the workload's own step (the same
+``build()``, MOMs included, and the same `StorageTracker` accounting as
+`momlab.measure` on CPU) runs with weights that are CPU ``FakeTensor``s:
+tensors with shapes and dtypes but no data, so nothing is allocated and any
+size can be asked (bert-large at batch 1024 on a laptop). FakeTensorMode
+is not left on the mode stack: what does not touch a weight (token ids,
+attention masks, position ids, optimizer step counts) runs for real, so a
+traced step takes exactly the branches a real one takes (transformers
+checks that an all-ones attention mask is all ones before skipping it, a
+``.item()`` the ``meta`` device cannot answer). Fake CPU tensors, unlike
+meta ones, also get CPU autocast (bf16/fp16) and the CPU's kernel choices.
+
+The target's kernels decide part of what is saved: on CUDA, attention with
+dropout runs in one fused kernel (memory-efficient attention) that keeps
+only its output and log-sum-exp, while the CPU falls back to the math path
+that materializes the attention probabilities and dropout mask. For a GPU the
+trace runs sdpa as CUDA does, through that kernel's own meta implementation
+(`_cuda_sdpa`). Other CUDA-vs-CPU differences are
+not modelled: cuBLAS/cuDNN workspaces, the CUDA context, and (mixed precision)
+CUDA's autocast op lists, which keep layer norm and softmax in fp32 where the
+CPU lists traced here use bf16/fp16.
+
+Memory is affine in batch size for a fixed graph, operation by operation:
+the live bytes after the i-th operation are ``a_i + b_i * batch``. Two
+traces (batch 2 and 4) give every a_i and b_i, so any batch is read off
+without tracing again, and the peak is ``max_i(a_i + b_i * batch)`` (the
+moment of the peak may move: weights-heavy optimizer step at small batches,
+end of forward at large ones). The largest batch that fits follows in closed
+form. Traces are cached per (model, MOM, precision, size, kernels).
+
+Time is a roofline per operation, summed: each op costs ``max(flops / peak
+FLOP/s of its number format, bytes read and written / memory bandwidth)``,
+divided by an efficiency factor, plus a per-op launch cost; recomputation
+(checkpointing) and quantization kernels are ops of the trace like any other,
+and swapping adds ``2 * host_bytes`` over the host link (overlapped with
+compute, as swap prefetches). The efficiency is fitted from measured records
+of the same device (`calibrate`); without any, a default is used and the
+estimate says ``calibrated=False``. It is the approach of Paleo (Qi et al.,
+2017) with the graph traced rather than described by hand.
+"""
+
+from __future__ import annotations
+
+import gc
+import glob
+import math
+import os
+import sys
+import threading
+import time
+import types
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from momlab import catalog
+from momlab.gpus import DEFAULT_EFFICIENCY, Gpu
+from momlab.gpus import get as get_gpu
+from momlab.gpus import gpus as gpu_names
+from momlab.accounting import StorageTracker, unique_storage_bytes
+from momlab.errors import check_choice
+from momlab.units import format_bytes, parse_bytes
+from momlab.workload import PRECISIONS, build, check_batch_size, parse_mom
+
+aten = torch.ops.aten
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+
+# the batch sizes a profile is traced at: the first two that run the same ops (a batch of one is
+# avoided: some code squeezes it; quantization packs only tensors of >= 1024 values, so a tiny model's
+# smallest batches can differ in ops)
+TRACE_BATCHES = (2, 4, 8, 16, 32)
+
+_LOCK = threading.RLock()  # traces change global state (dispatch modes, seeds): one at a time
+
+
+# -- tensors without data ------------------------------------------------------------------
+
+def _dataless(t: torch.Tensor) -> bool:
+    return isinstance(t, FakeTensor) or t.device.type == "meta"
+
+
+class _AssumeScalars(TorchDispatchMode):
+    """Answer ``.item()`` of a data-less tensor with zero (False).
+
+    Used where the value cannot matter to memory: weight initializers that
+    redraw until a random sample passes a test (values are never used by a
+    trace), and the GradScaler's overflow check (a trace assumes the steady
+    state: finite gradients, the optimizer steps).
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is aten._local_scalar_dense.default and _dataless(args[0]):
+            t = args[0]
+            return False if t.dtype == torch.bool else (0.0 if t.is_floating_point() else 0)
+        return func(*args, **(kwargs or {}))
+
+
+class _FiniteScaler:
+    """A GradScaler whose overflow check assumes finite gradients (see `_AssumeScalars`)."""
+
+    def __init__(self, scaler):
+        self._scaler = scaler
+
+    def scale(self, loss):
+        return self._scaler.scale(loss)
+
+    def step(self, optimizer):
+        with _AssumeScalars():
+            return self._scaler.step(optimizer)
+
+    def update(self):
+        with _AssumeScalars():
+            return self._scaler.update()
+
+
+_NORM_STATS = frozenset({aten.native_layer_norm.default, aten.native_batch_norm.default})
+
+
+def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None,
+               enable_gqa=False):
+    """scaled_dot_product_attention as CUDA runs it: the fused memory-efficient kernel.
+
+    CUDA runs attention (dropout included) in one fused kernel that saves its
+    inputs, output and log-sum-exp for backward: memory-efficient attention
+    for fp32 and wherever flash cannot run; flash, chosen for bf16/fp16 on
+    Ampere and later, saves the same up to padding. Head dims the fused
+    kernels refuse (not a multiple of 8) and grouped-query attention take the
+    math path, as on CUDA. Autocast has already cast q, k, v (sdpa is on
+    CUDA's lower-precision list, as on the CPU's).
+    """
+    if query.shape[-1] % 8 or enable_gqa or query.dim() != 4:
+        return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
+                                                       scale=scale, enable_gqa=enable_gqa)[0]
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:  # sdpa turns a boolean mask into an additive one first
+            attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(attn_mask.logical_not(),
+                                                                                  float("-inf"))
+        attn_mask = attn_mask.expand(*query.shape[:-1], key.shape[-2])
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, grad, dropout_p, is_causal,
+                                                        scale=scale)[0]
+
+
+@contextmanager
+def _kernels(kernels: str):
+    """While tracing for a GPU, `scaled_dot_product_attention` runs CUDA's kernel (`_cuda_sdpa`).
+
+    The CPU kernel choice is not an op a dispatch mode sees, and a torch
+    function mode around sdpa is not active while backward recomputes a
+    checkpointed block; overriding sdpa's composite kernel at the dispatcher
+    is seen by both. The override is process-wide while it lasts (`_LOCK`
+    keeps traces one at a time) and removed on exit.
+    """
+    if kernels != "cuda":
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
+        lib = torch.library.Library("aten", "IMPL")
+        lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
+    try:
+        yield
+    finally:
+        lib._destroy()
+
+
+# number formats of an op's compute, as indices into a device's peak FLOP/s (see _peaks)
+FMT_FP32, FMT_CONV32, FMT_BF16, FMT_FP16 = 0, 1, 2, 3
+_FORMATS = {torch.bfloat16: FMT_BF16, torch.float16: FMT_FP16}
+_CONV = frozenset({aten.convolution, aten.convolution_backward, aten._convolution})
+_NO_TRAFFIC = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                         aten.new_empty.default, aten.new_empty_strided.default, aten.lift_fresh.default})
+_OP_IDS: dict = {}
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _Tracer(StorageTracker):
+    """The storage accounting of `momlab.measure`, on a traced step, with a log of every op.
+
+    One dispatch mode (each mode layer costs Python time per op) does two
+    things around each op before the accounting sees its outputs:
+
+    - *Random floats without data.* What does not touch a weight runs for
+      real (that keeps every branch real); random integers (token ids,
+      labels) stay real for that. Random floats (synthetic images,
+      quantization's rounding noise) only ever meet weights and activations:
+      they are made fake, drawing them would cost time and memory for nothing.
+    - *Meta kernels' dtypes.* torch's meta kernels of layer norm and batch
+      norm return the saved statistics in the input's dtype; the CPU and
+      CUDA kernels keep them in float32 for bf16/fp16 inputs (tiny resnet50
+      in bf16 differed from measure by those bytes until corrected).
+
+    The log, for each op that is not a view: device bytes live after it,
+    the FLOPs torch's FlopCounterMode counts for it, the attention FLOPs it
+    does not count on CPU kernels, the bytes read and written, the format.
+    """
+
+    def __init__(self, fake_mode: FakeTensorMode, kernels: str):
+        super().__init__()
+        self.fake_mode = fake_mode
+        self.kernels = kernels
+        self.log = None
+
+    def start(self) -> None:
+        self.log = {"live": [self.device_bytes], "flops": [], "extra": [], "bytes": [], "fmt": [], "op": []}
+
+    def stop(self) -> dict:
+        log, self.log = self.log, None
+        return log
+
+    def _run(self, func, args, kwargs):
+        if torch.Tag.nondeterministic_seeded in func.tags and not any(
+                isinstance(t, torch.Tensor) for t in tree_flatten((args, kwargs))[0]):
+            with self.fake_mode:  # first without data, to learn the dtype (randint's default is int64)
+                out = func(*args, **kwargs)
+            if all(t.is_floating_point() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
+                return out
+        out = func(*args, **kwargs)
+        if func in _NORM_STATS and args[0].dtype in (torch.bfloat16, torch.float16):
+            main, *stats = out
+            out = (main, *(x.new_empty(x.shape, dtype=torch.float32) for x in stats))
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = super().__torch_dispatch__(lambda *a, **k: self._run(func, a, k), types, args, kwargs)
+        log = self.log
+        if log is None or func.is_view:
+            return out
+        flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not flat_out and not any(a.alias_info is not None and a.alias_info.is_write
+                                    for a in func._schema.arguments):
+            return out  # metadata queries
+        flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        packet = func._overloadpacket
+        flops = extra = 0
+        if packet in flop_registry:
+            flops = flop_registry[packet](*args, **kwargs, out_val=out)
+        elif packet is aten._scaled_dot_product_flash_attention_for_cpu:
+            extra = sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+        elif packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            extra = sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
+        moved = 0 if func in _NO_TRAFFIC else sum(map(_nbytes, flat_in)) + sum(map(_nbytes, flat_out))
+        fmt = FMT_FP32
+        for t in flat_in:
+            if t.is_floating_point():
+                fmt = _FORMATS.get(t.dtype, FMT_CONV32 if packet in _CONV else FMT_FP32)
+                break
+        log["live"].append(self.device_bytes)
+        log["flops"].append(flops)
+        log["extra"].append(extra)
+        log["bytes"].append(moved)
+        log["fmt"].append(fmt)
+        log["op"].append(_OP_IDS.setdefault(str(func), len(_OP_IDS)))
+        return out
+
+
+@dataclass
+class Probe:
+    """One traced steady-state step at one batch size (the fields of `Measurement`'s probe)."""
+
+    batch_size: int
+    params_bytes: int
+    optimizer_bytes: int
+    grads_bytes: int
+    forward_live: int  # device bytes at the end of forward
+    forward_host: int  # host bytes at the end of forward (swap)
+    live: np.ndarray  # device bytes at the start, then after each op
+    flops: np.ndarray  # per op, as FlopCounterMode counts
+    extra_flops: np.ndarray  # per op, attention on CPU kernels (not counted by torch)
+    bytes: np.ndarray  # per op, read + written
+    fmt: np.ndarray  # per op, FMT_*
+    ops: np.ndarray  # per op, an id of the aten op (to check two traces align)
+    seconds: float = 0.0  # how long tracing took
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.live.max())
+
+    @property
+    def activation_bytes(self) -> int:
+        return max(0, self.forward_live - self.params_bytes - self.optimizer_bytes)
+
+    @property
+    def workspace_bytes(self) -> int:
+        return max(0, self.peak_bytes - self.params_bytes - self.grads_bytes - self.optimizer_bytes
+                   - self.activation_bytes)
+
+    @property
+    def host_bytes(self) -> int:
+        return self.forward_host
+
+
+class _Session:
+    """A workload with fake weights, warmed up once, traced at any batch size."""
+
+    def __init__(self, model: str, mom: str, precision: str, size: dict, kernels: str, seed: int = 0):
+        self.kernels = kernels
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        t0 = time.perf_counter()
+        with _LOCK:
+            with fake_mode, _AssumeScalars():
+                self.w = build(model, batch_size=TRACE_BATCHES[0], mom=mom, device="cpu", precision=precision,
+                               seed=seed, **size)
+            if self.w.scaler is not None:
+                self.w.scaler = _FiniteScaler(self.w.scaler)
+            self.tracer = _Tracer(fake_mode, kernels)
+            # as measure: weights on the books, one warm-up step creates the optimizer state
+            with _kernels(kernels), self.tracer:
+                self.tracer.track(self.w.state_tensors()["params"])
+                self.w.step()
+        self.build_seconds = time.perf_counter() - t0
+
+    def probe(self, batch_size: int) -> Probe:
+        t0 = time.perf_counter()
+        w, tracer = self.w, self.tracer
+        state = {}
+
+        def forward_end():
+            state["live"], state["host"] = tracer.device_bytes, tracer.host_bytes
+
+        def backward_end():
+            state["grads"] = unique_storage_bytes(w.state_tensors()["grads"])
+
+        with _LOCK:
+            w.batch_size = batch_size
+            gc.collect()
+            with _kernels(self.kernels), tracer:
+                tracer.reset_peak()
+                tracer.start()
+                try:
+                    w.step(on_forward_end=forward_end, on_backward_end=backward_end)
+                finally:
+                    log = tracer.stop()
+        tensors = w.state_tensors()
+        return Probe(
+            batch_size, unique_storage_bytes(tensors["params"]), unique_storage_bytes(tensors["optimizer"]),
+            state["grads"], state["live"], state["host"], np.asarray(log["live"], dtype=np.int64),
+            np.asarray(log["flops"], dtype=np.float64), np.asarray(log["extra"], dtype=np.float64),
+            np.asarray(log["bytes"], dtype=np.float64), np.asarray(log["fmt"], dtype=np.int8),
+            np.asarray(log["op"], dtype=np.int32), time.perf_counter() - t0)
+
+
+# -- profiles: two traces, any batch ------------------------------------------------------
+
+@dataclass
+class Profile:
+    """Traces of one configuration at two batch sizes; `at(b)` is the step at any batch.
+
+    Memory and costs are affine in the batch size op by op (see the module
+    docstring); `aligned` says the two traces ran the same ops in the same
+    order, which that needs. Otherwise `at` traces the batch directly.
+    """
+
+    model: str
+    mom: str
+    precision: str
+    size: dict
+    kernels: str
+    lo: Probe
+    hi: Probe
+    session: _Session = field(repr=False)
+    direct: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def aligned(self) -> bool:
+        return _aligned(self.lo, self.hi)
+
+    def _lerp(self, a, b, batch):
+        b1, b2 = self.lo.batch_size, self.hi.batch_size
+        return a + (b - a) * ((batch - b1) / (b2 - b1))
+
+    def at(self, batch_size: int, *, trace: bool = False) -> Probe:
+        """The step at `batch_size`: read off the two traces (exact at them; a batch below the first is
+        extrapolated like any other), or traced when `trace` (or when the traces do not align)."""
+        check_batch_size(batch_size)
+        for p in (self.lo, self.hi):
+            if p.batch_size == batch_size:
+                return p
+        if trace or not self.aligned:
+            if batch_size not in self.direct:
+                self.direct[batch_size] = self.session.probe(batch_size)
+            return self.direct[batch_size]
+        lo, hi = self.lo, self.hi
+        lerp = lambda x, y: self._lerp(x, y, batch_size)  # noqa: E731
+        return Probe(
+            batch_size, lo.params_bytes, lo.optimizer_bytes, lo.grads_bytes,
+            int(round(lerp(lo.forward_live, hi.forward_live))), int(round(lerp(lo.forward_host, hi.forward_host))),
+            np.rint(lerp(lo.live.astype(np.float64), hi.live.astype(np.float64))).astype(np.int64),
+            np.maximum(0.0, lerp(lo.flops, hi.flops)), np.maximum(0.0, lerp(lo.extra_flops, hi.extra_flops)),
+            np.maximum(0.0, lerp(lo.bytes, hi.bytes)), lo.fmt, lo.ops)
+
+    def peak_bytes(self, batch_sizes) -> np.ndarray:
+        """Predicted peak at each of `batch_sizes` (vectorized)."""
+        b = np.asarray(batch_sizes, dtype=np.float64)
+        a, s = self._line(self.lo.live, self.hi.live)
+        return (a[:, None] + s[:, None] * b[None, :]).max(axis=0)
+
+    def _line(self, x1, x2):
+        b1, b2 = self.lo.batch_size, self.hi.batch_size
+        slope = (x2.astype(np.float64) - x1.astype(np.float64)) / (b2 - b1)
+        return x1.astype(np.float64) - slope * b1, slope
+
+    def max_batch_size(self, capacity: int) -> int:
+        """Largest batch whose predicted peak is within `capacity` bytes (0: none fits), in closed form."""
+        if not self.aligned:
+            raise RuntimeError(f"traces of {self.model} ({self.mom}) at batch {self.lo.batch_size} and "
+                               f"{self.hi.batch_size} run different ops: the peak is not affine in the batch size")
+        a, s = self._line(self.lo.live, self.hi.live)
+        grows = s > 1e-9
+        if np.any(a[~grows] + s[~grows] > capacity):  # what does not grow with the batch is too big already
+            return 0
+        if not grows.any():
+            return 2 ** 31 - 1
+        return int(max(0, np.floor((capacity - a[grows]) / s[grows] + 1e-9).min()))
+
+
+_PROFILES: dict[tuple, Profile] = {}
+
+
+def _aligned(a: Probe, b: Probe) -> bool:
+    return len(a.live) == len(b.live) and np.array_equal(a.ops, b.ops) and np.array_equal(a.fmt, b.fmt)
+
+
+def _kernels_of(gpu: str) -> str:
+    return get_gpu(gpu).kernels if gpu != "cpu" else "cpu"
+
+
+def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels: str = "cuda", **size) -> Profile:
+    """The cached two-batch trace of a configuration (`kernels`: "cuda" or "cpu")."""
+    catalog.spec(model)
+    size = catalog.resolve_size(model, size)
+    mom = parse_mom(mom)
+    check_choice("precision", precision, PRECISIONS)
+    check_choice("kernels", kernels, ("cuda", "cpu"))
+    key = (model, mom, precision, tuple(sorted(size.items())), kernels)
+    with _LOCK:
+        prof = _PROFILES.get(key)
+        if prof is None:
+            session = _Session(model, mom, precision, size, kernels)
+            probes = [session.probe(TRACE_BATCHES[0])]
+            for b in TRACE_BATCHES[1:]:
+                probes.append(session.probe(b))
+                if _aligned(probes[-2], probes[-1]):
+                    break
+            direct = {p.batch_size: p for p in probes[:-2]}
+            prof = Profile(model, mom, precision, size, kernels, probes[-2], probes[-1], session, direct)
+            _PROFILES[key] = prof
+    return prof
+
+
+def clear_cache() -> None:
+    """Forget every cached trace and calibration."""
+    with _LOCK:
+        _PROFILES.clear()
+        _CALIBRATIONS.clear()
+
+
+# -- time ------------------------------------------------------------------------------------
+
+def _peaks(gpu: Gpu, tf32: bool) -> np.ndarray:
+    """Peak FLOP/s indexed by FMT_*: fp32 matmul, fp32 convolution, bf16, fp16."""
+    fp32 = gpu.peak("fp32")
+    t32 = gpu.peak("tf32")
+    # PyTorch's defaults: cuDNN convolutions may use tf32, matmuls only with allow_tf32 (our `tf32`)
+    conv = t32 if (t32 and gpu.kernels == "cuda") else fp32
+    mm = t32 if (tf32 and t32) else fp32
+    return np.array([mm, conv, gpu.peak("bf16") or fp32, gpu.peak("fp16") or fp32], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted step time and its parts (seconds)."""
+
+    step_time_s: float
+    ideal_s: float  # sum over ops of the roofline time, at 100% efficiency
+    compute_bound_s: float  # part of ideal_s in ops limited by FLOP/s
+    memory_bound_s: float  # part of ideal_s in ops limited by bandwidth
+    launch_s: float  # op count times the per-op launch cost
+    transfer_s: float  # swap traffic over the host link
+    ops: int
+
+
+def _roofline(p: Probe, gpu, tf32: bool):
+    peaks = _peaks(gpu, tf32)
+    compute = (p.flops + p.extra_flops) / peaks[p.fmt.astype(np.int64)]
+    memory = p.bytes / gpu.memory_bandwidth
+    return compute, memory
+
+
+def step_time(p: Probe, gpu: Gpu, cal: "Calibration", *, tf32: bool = False) -> StepTime:
+    """Roofline per op, over the efficiency, plus launches and swap traffic (module docstring)."""
+    compute, memory = _roofline(p, gpu, tf32)
+    per_op = np.maximum(compute, memory)
+    ideal = float(per_op.sum())
+    n = len(per_op)
+    launch = n * cal.launch_s
+    transfer = 2.0 * p.host_bytes / gpu.host_bandwidth if gpu.kernels == "cuda" else 0.0
+    busy = ideal / cal.efficiency
+    if gpu.kernels == "cuda":  # the host launches asynchronously; copies run on their own streams
+        total = max(busy, launch, transfer)
+    else:  # a CPU does one thing at a time (swap copies are ops of the trace here)
+        total = busy + launch
+    return StepTime(total, ideal, float(per_op[compute >= memory].sum()), float(per_op[compute < memory].sum()),
+                    launch, transfer, n)
+
+
+# -- calibration -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Calibration:
+    """How a device's roofline maps to measured step times.
+
+    ``efficiency``: measured time = ideal roofline time / efficiency (plus
+    ``launch_s`` per op). ``calibrated``: fitted from measurements of this
+    device (``source`` says which); False: defaults. ``error``: the median
+    relative error of the fit on the records it used.
+    """
+
+    gpu: str
+    efficiency: float
+    launch_s: float
+    calibrated: bool
+    source: str
+    records: int = 0
+    error: float = math.nan
+
+
+_CALIBRATIONS: dict[tuple, Calibration] = {}
+
+# the quick calibration of `cpu`: one tiny step (launch-bound) and one small one (compute-bound)
+QUICK_CPU = (("bert-base", {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "seq_len": 32}, 4),
+             ("bert-base", {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "seq_len": 128}, 8))
+
+
+def _result_files(results) -> list[str]:
+    if results is None:
+        return sorted(glob.glob(str(RESULTS / "*.jsonl")))
+    if isinstance(results, (str, os.PathLike)):
+        p = Path(results)
+        return sorted(glob.glob(str(p / "*.jsonl"))) if p.is_dir() else [str(p)]
+    return [str(p) for p in results]
+
+
+def _records_of(gpu_name: str, files: list[str]) -> list[dict]:
+    from momlab.results import read_records
+
+    gpu = get_gpu(gpu_name)
+    device = "cpu" if gpu_name == "cpu" else "cuda"
+    out, seen = [], set()
+    for path in files:
+        for rec in read_records(path):
+            env = rec.get("env") or {}
+            if env.get("device") != device or not gpu.matches(env.get("device_name")):
+                continue
+            if gpu_name == "cpu" and env.get("threads") not in (None, torch.get_num_threads()):
+                continue
+            t = rec.get("step_time_s")
+            if not rec.get("fits") or t is None or not math.isfinite(t) or t <= 0:
+                continue
+            key = (rec["model"], rec["mom"], rec["precision"], tuple(sorted((rec.get("size") or {}).items())),
+                   rec["batch_size"])
+            if key not in seen:  # the first record of a configuration (a sweep records each once)
+                seen.add(key)
+                out.append(rec)
+    return out
+
+
+def _pick(records: list[dict], n: int) -> list[dict]:
+    """Up to `n` records spread over the range of work (cheapest configurations first among ties)."""
+    records = sorted(records, key=lambda r: (r.get("flops") or 0, r["batch_size"]))
+    if len(records) <= n:
+        return records
+    idx = np.unique(np.linspace(0, len(records) - 1, n).round().astype(int))
+    return [records[i] for i in idx]
+
+
+def _fit(gpu: Gpu, points: list[tuple[float, int, float]], name: str, source: str) -> Calibration:
+    """Fit efficiency (and on cpu the per-op cost) to (ideal_s, ops, measured_s) points."""
+    ideal = np.array([p[0] for p in points])
+    ops = np.array([p[1] for p in points], dtype=np.float64)
+    measured = np.array([p[2] for p in points])
+    if gpu.kernels == "cpu" and len(points) >= 2 and np.ptp(ideal / ops) > 0:
+        # measured = ideal / eff + ops * launch: least squares on the relative error, both terms >= 0
+        A = np.stack([ideal, ops], axis=1) / measured[:, None]
+        (k, launch), *_ = np.linalg.lstsq(A, np.ones_like(measured), rcond=None)
+        if k <= 0:
+            k, launch = float(np.median(measured / ideal)), 0.0
+        elif launch < 0:
+            k, launch = float(np.median(measured / ideal)), 0.0
+    else:
+        launch = gpu.launch_s
+        k = float(np.median((measured - (ops * launch if gpu.kernels == "cpu" else 0)) / ideal))
+    k = max(k, 1e-3)
+    pred = ideal * k + (ops * launch if gpu.kernels == "cpu" else 0)
+    if gpu.kernels == "cuda":
+        pred = np.maximum(ideal * k, ops * launch)
+    err = float(np.median(np.abs(pred - measured) / measured))
+    return Calibration(name, 1.0 / k, float(launch), True, source, len(points), err)
+
+
+def _ideal(model, mom, precision, size, batch_size, gpu, tf32=False) -> tuple[float, int]:
+    prof = profile(model, mom, precision=precision, kernels=gpu.kernels, **size)
+    p = prof.at(batch_size)
+    compute, memory = _roofline(p, gpu, tf32)
+    return float(np.maximum(compute, memory).sum()), len(p.flops)
+
+
+def calibrate(gpu: str, *, results=None, max_records: int = 4, quick: bool = True) -> Calibration:
+    """The efficiency of `gpu`, fitted from measured records of it in `results` (default results/*.jsonl).
+
+    A record counts when its ``env.device_name`` matches the device (for
+    `cpu`: this machine's CPU model and thread count), it fitted and has a
+    step time. Up to `max_records` configurations, spread over the range of
+    work, are traced and fitted. `cpu` without records is calibrated by
+    measuring `QUICK_CPU` (a few seconds) when `quick`; a GPU without records
+    gets the default efficiency, ``calibrated=False``. Cached per process.
+    """
+    g = get_gpu(gpu)
+    files = _result_files(results)
+    stamp = tuple((f, os.path.getmtime(f), os.path.getsize(f)) for f in files if os.path.exists(f))
+    key = (gpu, stamp, max_records, quick, torch.get_num_threads() if gpu == "cpu" else None)
+    with _LOCK:
+        if key in _CALIBRATIONS:
+            return _CALIBRATIONS[key]
+        records = _pick(_records_of(gpu, files), max_records)
+        points = []
+        for r in records:
+            ideal, n = _ideal(r["model"], r["mom"], r["precision"], r.get("size") or {}, r["batch_size"], g)
+            points.append((ideal, n, float(r["step_time_s"])))
+        if points:
+            cal = _fit(g, points, gpu, f"{len(points)} measured record(s) in {', '.join(map(_short, files))}")
+        elif gpu == "cpu" and quick:
+            cal = _quick_cpu(g)
+        else:
+            cal = Calibration(gpu, DEFAULT_EFFICIENCY, g.launch_s, False,
+                              "uncalibrated: no measured records of this device (default efficiency "
+                              f"{DEFAULT_EFFICIENCY})")
+        _CALIBRATIONS[key] = cal
+    return cal
+
+
+def _short(path: str) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _quick_cpu(g: Gpu) -> Calibration:
+    from momlab.measure import measure
+
+    points = []
+    for model, size, batch in QUICK_CPU:
+        m = measure(model, batch_size=batch, steps=3, warmup=1, **size)
+        ideal, n = _ideal(model, "exact", "fp32", size, batch, g)
+        points.append((ideal, n, m.step_time_s))
+    return _fit(g, points, "cpu", "quick calibration: measured " + ", ".join(
+        f"{m} batch {b} ({s['hidden_size']} wide)" for m, s, b in QUICK_CPU))
+
+
+# -- estimates -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Estimate:
+    """A training configuration on a GPU, predicted (see the module docstring).
+
+    Memory fields mean what they mean in `momlab.Measurement` (peak,
+    params, grads, optimizer, activation, workspace, host), predicted from a
+    trace. ``fits``: ``peak_bytes <= capacity_bytes`` (the GPU's memory, or a
+    budget). ``step_time_s`` is predicted whether or not it fits;
+    ``throughput`` is ``batch_size / step_time_s``, NaN when it does not fit.
+    ``flops`` as torch's FlopCounterMode counts them on the target's kernels
+    (on `cpu`, attention is not counted: torch's counter does not see the CPU
+    attention kernel). ``calibrated``: the efficiency was fitted from
+    measurements of this device. ``interpolated``: the batch was read off two
+    traces rather than traced itself.
+    """
+
+    model: str
+    mom: str
+    batch_size: int
+    precision: str
+    size: dict
+    gpu: str
+    fits: bool
+    peak_bytes: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    workspace_bytes: int
+    host_bytes: int
+    step_time_s: float
+    throughput: float
+    flops: int
+    calibrated: bool
+    capacity_bytes: int
+    efficiency: float
+    bytes_moved: int
+    memory_source: str = "predicted"
+    kernels: str = "cuda"
+    interpolated: bool = True
+    time: dict = field(default_factory=dict)
+    calibration: str = ""
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.gpu == "cpu" else "cuda"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["device"] = self.device
+        return d
+
+
+def _check_gpu_precision(g: Gpu, precision: str, tf32: bool) -> None:
+    fmt = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}[precision]
+    if not g.peak(fmt):
+        raise ValueError(f"{g.name} has no {precision} fast path (its formats: {', '.join(g.formats())}); "
+                         f"valid precisions here: {', '.join(p for p in PRECISIONS if g.peak(p))}")
+    if tf32 and not g.peak("tf32"):
+        raise ValueError(f"{g.name} has no tf32 tensor cores; use tf32=False")
+
+
+def _capacity(g: Gpu, budget) -> int:
+    return g.memory_bytes if budget is None else parse_bytes(budget)
+
+
+def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kernels, interpolated, tf32):
+    t = step_time(p, g, cal, tf32=tf32)
+    fits = p.peak_bytes <= capacity
+    flops = float(p.flops.sum()) + (float(p.extra_flops.sum()) if kernels == "cuda" else 0.0)
+    return Estimate(
+        model=model, mom=mom, batch_size=p.batch_size, precision=precision, size=dict(size), gpu=g.name,
+        fits=fits, peak_bytes=p.peak_bytes, params_bytes=p.params_bytes, grads_bytes=p.grads_bytes,
+        optimizer_bytes=p.optimizer_bytes, activation_bytes=p.activation_bytes,
+        workspace_bytes=p.workspace_bytes, host_bytes=p.host_bytes, step_time_s=t.step_time_s,
+        throughput=p.batch_size / t.step_time_s if fits else math.nan, flops=int(round(flops)),
+        calibrated=cal.calibrated, capacity_bytes=capacity, efficiency=cal.efficiency,
+        bytes_moved=int(p.bytes.sum()), kernels=kernels, interpolated=interpolated,
+        time={k: v for k, v in asdict(t).items() if k != "step_time_s"}, calibration=cal.source)
+
+
+def _prepare(model, mom, gpu, precision, tf32, size):
+    g = get_gpu(gpu)
+    check_choice("precision", precision, PRECISIONS)
+    _check_gpu_precision(g, precision, tf32)
+    prof = profile(model, mom, precision=precision, kernels=g.kernels, **size)
+    return g, prof
+
+
+def estimate(model: str, mom: str = "exact", *, batch_size: int, gpu: str, precision: str = "fp32",
+             budget=None, tf32: bool = False, trace: bool = False, results=None, **size) -> Estimate:
+    """Predict one training configuration on `gpu` (a name from `momlab.gpus()`).
+
+    `budget` replaces the GPU's memory as the capacity `fits` is judged
+    against (bytes or "2GiB"); `tf32` runs fp32 matmuls on tf32 tensor cores
+    (``torch.backends.cuda.matmul.allow_tf32``); `trace` traces this batch
+    size rather than reading it off the cached pair of traces; `results`
+    where measured records for calibration are (default results/*.jsonl).
+
+    >>> e = estimate("bert-large", "ckpt", batch_size=256, gpu="A100-40")  # doctest: +SKIP
+    >>> e.fits, format_bytes(e.peak_bytes), round(e.throughput)            # doctest: +SKIP
+    """
+    check_batch_size(batch_size)
+    g, prof = _prepare(model, mom, gpu, precision, tf32, size)
+    cal = calibrate(gpu, results=results)
+    p = prof.at(batch_size, trace=trace)
+    interpolated = p is not prof.lo and p is not prof.hi and batch_size not in prof.direct
+    return _from_probe(p, model=model, mom=prof.mom, precision=precision, size=prof.size, g=g, cal=cal,
+                       capacity=_capacity(g, budget), kernels=g.kernels, interpolated=interpolated, tf32=tf32)
+
+
+def predict_max_batch(model: str, mom: str = "exact", *, gpu: str, precision: str = "fp32", budget=None,
+                      **size) -> int:
+    """Largest batch size whose predicted peak fits `gpu`'s memory (or `budget`); 0 when none does.
+
+    Exact under the affine model (the closed form of the module docstring).
+
+    >>> predict_max_batch("bert-large", "ckpt", gpu="A100-40")  # doctest: +SKIP
+    """
+    g, prof = _prepare(model, mom, gpu, precision, False, size)
+    return prof.max_batch_size(_capacity(g, budget))
+
+
+def throughput_curve(model: str, mom: str = "exact", *, gpu: str, batch_sizes, precision: str = "fp32",
+                     budget=None, tf32: bool = False, results=None, **size) -> list[Estimate]:
+    """Estimates at each of `batch_sizes` from one pair of traces (no tracing per point)."""
+    g, prof = _prepare(model, mom, gpu, precision, tf32, size)
+    cal = calibrate(gpu, results=results)
+    cap = _capacity(g, budget)
+    return [_from_probe(prof.at(int(b)), model=model, mom=prof.mom, precision=precision, size=prof.size, g=g,
+                        cal=cal, capacity=cap, kernels=g.kernels, interpolated=True, tf32=tf32)
+            for b in batch_sizes]
+
+
+def batch_grid(max_batch: int, points: int = 24) -> list[int]:
+    """Batch sizes to scan up to `max_batch`: log-spaced, always including 1 and `max_batch`."""
+    if max_batch < 1:
+        return []
+    grid = np.unique(np.round(np.geomspace(1, max_batch, min(points, max_batch))).astype(int))
+    return sorted({int(b) for b in grid} | {1, int(max_batch)})
+
+
+def best_throughput(model: str, mom: str = "exact", *, gpu: str, precision: str = "fp32", budget=None,
+                    tf32: bool = False, results=None, max_batch: int | None = None, **size) -> Estimate | None:
+    """The fastest configuration (samples/s) among batches that fit; None when none fits (scenario S1)."""
+    if max_batch is None:
+        max_batch = predict_max_batch(model, mom, gpu=gpu, precision=precision, budget=budget, **size)
+    grid = batch_grid(max_batch)
+    if not grid:
+        return None
+    curve = throughput_curve(model, mom, gpu=gpu, batch_sizes=grid, precision=precision, budget=budget,
+                             tf32=tf32, results=results, **size)
+    fitting = [e for e in curve if e.fits]
+    return max(fitting, key=lambda e: e.throughput) if fitting else None
+
+
+def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers", batch_size: int, gpu: str,
+                     precision: str = "fp32", budget=None, limit: int | None = None, **size) -> int:
+    """Largest value of size keyword `dim` (on its grid) that fits at `batch_size` (scenario S2); 0: none.
+
+    Each trial is a trace at that size; the first guess comes from a
+    quadratic through three smaller sizes (memory is quadratic at most in a
+    size keyword: width, sequence and image side), then the answer is
+    bracketed and bisected with traces, so it is exact on the grid.
+    """
+    from momlab.search import find_max, size_step
+
+    g = get_gpu(gpu)
+    _check_gpu_precision(g, precision, False)
+    if dim in size:
+        raise ValueError(f"predict_max_size searches {dim}; do not also pass {dim}={size[dim]!r}")
+    full = catalog.resolve_size(model, size)
+    check_choice(f"size keyword of {model}", dim, list(full))
+    check_batch_size(batch_size)
+    cap = _capacity(g, budget)
+    step = size_step(model, dim, **size)
+
+    def peak(value: int) -> int:
+        prof = profile(model, mom, precision=precision, kernels=g.kernels, **{**size, dim: value})
+        return prof.at(batch_size).peak_bytes
+
+    default = full[dim] // step * step or step
+    xs = sorted({max(step, default // 4 // step * step), max(step, default // 2 // step * step), default})
+    guess = default
+    if len(xs) == 3:
+        ys = [peak(x) for x in xs]
+        c = np.polyfit(xs, ys, 2)
+        roots = np.roots([c[0], c[1], c[2] - cap])
+        real = [r.real for r in roots if abs(r.imag) < 1e-9 and r.real > 0]
+        if real:
+            guess = int(max(step, min(real) // step * step))
+        elif c[0] == 0 and c[1] > 0:
+            guess = int(max(step, (cap - c[2]) / c[1] // step * step))
+    if limit is not None:
+        guess = min(guess, limit // step * step)
+
+    class _Fit:
+        def __init__(self, ok):
+            self.fits = ok
+
+    s = find_max(lambda v: _Fit(peak(v) <= cap), step=step, start=max(step, guess), limit=limit, dim=dim)
+    return s.value
+
+
+def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_size: int | None = None,
+            dim: str | None = None, budget=None, results=None, **size) -> dict:
+    """Which MOM wins on `gpu`: S1 (highest throughput at its best batch), and with `dim`, S2.
+
+    S1, for each MOM: the largest batch that fits, the batch with the highest
+    predicted throughput under it, and that throughput; the winner and its
+    ratio to exact's (inf when exact does not fit at all). With `batch_size`
+    the estimate at that batch is included (does it fit, how fast). S2 (when
+    `dim` is given, e.g. "num_layers", with `batch_size`): the largest model
+    each MOM trains and its ratio to exact's. ``text`` says it in one line each.
+
+    >>> verdict("bert-large", ["exact", "ckpt"], gpu="A100-40", batch_size=256)["text"]  # doctest: +SKIP
+    """
+    import momlab.moms as moms_module
+
+    moms = ["exact", *[m for m in moms_module.moms() if m != "exact"]] if moms is None else list(moms)
+    if not moms:
+        raise ValueError("verdict needs at least one MOM")
+    rows, text = [], []
+    for mom in moms:
+        try:
+            g, prof = _prepare(model, mom, gpu, precision, False, size)
+        except ValueError as exc:  # a MOM that does not apply to this model (ckpt-selective on a ResNet)
+            rows.append({"mom": mom, "applicable": False, "reason": str(exc).splitlines()[0]})
+            continue
+        cap = _capacity(g, budget)
+        mb = prof.max_batch_size(cap)
+        best = best_throughput(model, mom, gpu=gpu, precision=precision, budget=budget, results=results,
+                               max_batch=mb, **size)
+        row = {"mom": prof.mom, "applicable": True, "max_batch": mb,
+               "best_batch": best.batch_size if best else 0,
+               "throughput": best.throughput if best else 0.0,
+               "step_time_s": best.step_time_s if best else math.nan,
+               "calibrated": calibrate(gpu, results=results).calibrated}
+        if batch_size is not None:
+            e = estimate(model, mom, batch_size=batch_size, gpu=gpu, precision=precision, budget=budget,
+                         results=results, **size)
+            row.update(at_batch=batch_size, fits_at_batch=e.fits, peak_at_batch=e.peak_bytes,
+                       throughput_at_batch=e.throughput, step_time_at_batch=e.step_time_s)
+        rows.append(row)
+    usable = [r for r in rows if r.get("applicable") and r["max_batch"] > 0]
+    exact = next((r for r in rows if r["mom"] == "exact" and r.get("applicable")), None)
+    s1 = {"best": None, "ratio_vs_exact": math.nan}
+    if usable:
+        best = max(usable, key=lambda r: r["throughput"])
+        base = exact["throughput"] if exact and exact["max_batch"] > 0 else 0.0
+        s1 = {"best": best["mom"], "throughput": best["throughput"], "batch_size": best["best_batch"],
+              "ratio_vs_exact": best["throughput"] / base if base > 0 else math.inf}
+        text.append(_s1_text(model, gpu, best, exact, s1["ratio_vs_exact"]))
+    else:
+        text.append(f"S1: nothing fits {model} on {gpu}, not even at batch 1")
+    if batch_size is not None:
+        for r in rows:
+            if r.get("applicable") and "fits_at_batch" in r:
+                verb = "fits" if r["fits_at_batch"] else "does not fit"
+                speed = f", {r['throughput_at_batch']:.4g} samples/s" if r["fits_at_batch"] else ""
+                text.append(f"{r['mom']} at batch {batch_size}: {verb} ({format_bytes(r['peak_at_batch'])} of "
+                            f"{format_bytes(_capacity(get_gpu(gpu), budget))}){speed}")
+    out = {"model": model, "gpu": gpu, "precision": precision, "size": catalog.resolve_size(model, size),
+           "rows": rows, "s1": s1, "calibrated": calibrate(gpu, results=results).calibrated}
+    if dim is not None:
+        if batch_size is None:
+            raise ValueError("the S2 verdict (largest model) needs a batch_size")
+        s2rows = []
+        for r in rows:
+            if r.get("applicable"):
+                v = predict_max_size(model, r["mom"], dim=dim, batch_size=batch_size, gpu=gpu, precision=precision,
+                                     budget=budget, **size)
+                s2rows.append({"mom": r["mom"], dim: v})
+        base = next((r[dim] for r in s2rows if r["mom"] == "exact"), 0)
+        best = max(s2rows, key=lambda r: r[dim]) if s2rows else None
+        out["s2"] = {"dim": dim, "batch_size": batch_size, "rows": s2rows, "best": best["mom"] if best else None,
+                     "ratio_vs_exact": (best[dim] / base if base else math.inf) if best else math.nan}
+        if best:
+            text.append(f"S2: {best['mom']} trains the largest {model} at batch {batch_size}: {dim}={best[dim]}"
+                        + (f" ({best[dim] / base:.2f}x exact's {base})" if base else " (exact fits none)"))
+    out["text"] = "\n".join(text)
+    return out
+
+
+def _s1_text(model, gpu, best, exact, ratio) -> str:
+    head = (f"S1: on {gpu}, {best['mom']} gives the highest {model} throughput: {best['throughput']:.4g} "
+            f"samples/s at batch {best['best_batch']} (max batch {best['max_batch']})")
+    if best["mom"] == "exact":
+        return head + "; no MOM beats exact"
+    if exact is None or not exact.get("applicable"):
+        return head
+    if exact["max_batch"] == 0:
+        return head + "; exact does not fit at all"
+    return head + f", {ratio:.2f}x exact ({exact['throughput']:.4g} samples/s at batch {exact['best_batch']})"
+
+
+# -- command line -----------------------------------------------------------------------------
+
+def _cmd_estimate(args) -> int:
+    import json
+
+    from momlab.cli import _table, size_from
+
+    size = size_from(args, args.model)
+    e = estimate(args.model, args.mom, batch_size=args.batch_size, gpu=args.gpu, precision=args.precision,
+                 budget=args.budget, tf32=args.tf32, **size)
+    d = e.to_dict()
+    if args.max_batch:
+        d["max_batch_size"] = predict_max_batch(args.model, args.mom, gpu=args.gpu, precision=args.precision,
+                                                budget=args.budget, **size)
+    if args.json:
+        print(json.dumps(d, allow_nan=True))
+    else:
+        print(_table({k: v for k, v in d.items() if k not in ("time", "calibration")}))
+        print(f"{'calibration':18s} {e.calibration}")
+        if not e.calibrated:
+            print("note: uncalibrated device: step time uses the default efficiency; measure on it to calibrate")
+    return 0
+
+
+def add_subparsers(subparsers) -> None:
+    """`python -m momlab estimate MODEL --gpu A100-40 --mom ckpt --batch-size 256 [--json]`."""
+    from momlab.cli import add_size_flags
+
+    p = subparsers.add_parser("estimate", help="predict memory and speed on a GPU without running on it")
+    p.add_argument("model")
+    p.add_argument("--gpu", required=True, help="one of: " + ", ".join(gpu_names()))
+    p.add_argument("--mom", default="exact")
+    p.add_argument("--batch-size", type=int, required=True)
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--budget", default=None, help="judge fits against this many bytes instead of the GPU's memory")
+    p.add_argument("--tf32", action="store_true", help="fp32 matmuls on tf32 tensor cores")
+    p.add_argument("--max-batch", action="store_true", help="also print the predicted largest batch that fits")
+    p.add_argument("--json", action="store_true")
+    add_size_flags(p)
+    p.set_defaults(func=_cmd_estimate)
+
+
+class _CallableModule(types.ModuleType):
+    """`momlab.estimate(...)` is `estimate()`, while `momlab.estimate.verdict` stays this module's."""
+
+    def __call__(self, *args, **kwargs) -> Estimate:
+        return estimate(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,253 @@
+"""The GPU catalog: what a device can hold and how fast it computes and moves bytes.
+
+Estimates (momlab.estimate) predict a training step on a device we are not
+running on. Memory comes from tracing the step; time from a roofline per
+operation with the constants here: peak *dense* FLOP/s per number format
+(tensor cores where the format has them; the datasheets' "with sparsity"
+figures are twice these and never apply to training), memory bandwidth, and
+the host link a swapping MOM moves activations over. Every number is the
+vendor's datasheet value, cited beside it; none is measured here.
+
+What a datasheet cannot give is how close eager PyTorch gets to those peaks.
+That is the `efficiency` factor of momlab.estimate: fitted from measured
+records of the same device in results/*.jsonl when there are any (a record's
+``env.device_name`` says which device ran it), and otherwise a default that
+the estimate labels *uncalibrated*.
+
+`cpu` is this machine. Its peaks are measured, not looked up (`cpu_peaks`:
+a large matmul per number format, a large copy), and its efficiency is fitted
+from this machine's own runs, so ``estimate(..., gpu="cpu")`` can be checked
+against ``measure(...)`` on the spot.
+
+Number formats: ``fp32`` (plain CUDA cores), ``tf32`` (fp32 storage, tensor
+cores: PyTorch's default for convolutions, opt-in for matmuls), ``bf16`` and
+``fp16`` (mixed precision). `None` means the device has no fast path for the
+format, and an estimate in it is refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import sys
+import time
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+from momlab.errors import check_choice
+
+GiB = 2 ** 30
+TERA = 1e12
+GB_S = 1e9
+
+FORMATS = ("fp32", "tf32", "bf16", "fp16")
+
+# PCIe x16 payload rate per direction: gen3 ~15.75 GB/s, gen4 ~31.5, gen5 ~63
+# (the datasheets quote 32 / 64 / 128 GB/s counting both directions).
+PCIE = {3: 15.75 * GB_S, 4: 31.5 * GB_S, 5: 63.0 * GB_S}
+
+# Eager PyTorch launches one kernel per aten op and spends host time per op
+# (Python, autograd, dispatcher). A few microseconds on a current server CPU;
+# a step is launch-bound when its kernels are shorter than that.
+LAUNCH_S = 6e-6
+
+# Efficiency of an uncalibrated device: the fraction of the per-op roofline
+# eager training reaches. 0.6 is the middle of what large matmuls (70-90% of
+# peak) and elementwise kernels (60-85% of bandwidth) reach on datacenter GPUs.
+DEFAULT_EFFICIENCY = 0.6
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """One device: capacity, peak dense FLOP/s per format, bandwidths, how to recognize it.
+
+    - ``memory_bytes``: device memory (datasheet capacity; the CUDA context
+      and the driver take a few hundred MiB of it, not counted by a peak).
+    - ``flops``: peak dense FLOP/s per format (`FORMATS`); None: no fast path.
+    - ``memory_bandwidth``: device memory bytes/s.
+    - ``host_bandwidth``: bytes/s per direction over ``host_link`` (swap).
+    - ``kernels``: "cuda" or "cpu": whose kernels decide what a step saves
+      (attention saves different tensors on each; momlab.estimate).
+    - ``patterns``: regular expressions matching ``env.device_name`` of
+      records measured on this device (``torch.cuda.get_device_name``).
+    """
+
+    name: str
+    memory_bytes: int
+    flops: dict
+    memory_bandwidth: float
+    host_link: str
+    host_bandwidth: float
+    kernels: str = "cuda"
+    patterns: tuple = ()
+    launch_s: float = LAUNCH_S
+    source: str = ""
+    notes: str = ""
+
+    def peak(self, fmt: str) -> float | None:
+        return self.flops.get(fmt)
+
+    def formats(self) -> list[str]:
+        return [f for f in FORMATS if self.flops.get(f)]
+
+    def matches(self, device_name: str | None) -> bool:
+        return bool(device_name) and any(re.search(p, device_name, re.IGNORECASE) for p in self.patterns)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "memory_bytes": self.memory_bytes, "flops": dict(self.flops),
+                "memory_bandwidth": self.memory_bandwidth, "host_link": self.host_link,
+                "host_bandwidth": self.host_bandwidth, "kernels": self.kernels, "source": self.source,
+                "notes": self.notes}
+
+
+def _tf(fp32=None, tf32=None, bf16=None, fp16=None) -> dict:
+    return {k: (None if v is None else v * TERA) for k, v in
+            (("fp32", fp32), ("tf32", tf32), ("bf16", bf16), ("fp16", fp16))}
+
+
+_CATALOG: dict[str, Gpu] = {g.name: g for g in (
+    # NVIDIA V100 Tensor Core GPU datasheet (2020), SXM2: FP32 15.7 TFLOPS, Tensor 125 TFLOPS (fp16),
+    # HBM2 900 GB/s; the host link is PCIe gen3 x16 (NVLink connects GPUs only, except on POWER9).
+    # Volta has no tf32 or bf16 tensor cores.
+    Gpu("V100-16", 16 * GiB, _tf(fp32=15.7, fp16=125), 900 * GB_S, "PCIe gen3 x16", PCIE[3],
+        patterns=(r"V100.*16\s*GB",), source="NVIDIA V100 datasheet (SXM2)"),
+    Gpu("V100-32", 32 * GiB, _tf(fp32=15.7, fp16=125), 900 * GB_S, "PCIe gen3 x16", PCIE[3],
+        patterns=(r"V100.*32\s*GB",), source="NVIDIA V100 datasheet (SXM2)"),
+    # NVIDIA T4 datasheet: FP32 8.1 TFLOPS, mixed precision (fp16/fp32) 65 TFLOPS, GDDR6 320 GB/s,
+    # 16 GB, PCIe gen3 x16. Turing has no tf32 or bf16 tensor cores.
+    Gpu("T4", 16 * GiB, _tf(fp32=8.1, fp16=65), 320 * GB_S, "PCIe gen3 x16", PCIE[3],
+        patterns=(r"\bT4\b",), source="NVIDIA T4 datasheet"),
+    # NVIDIA A10 datasheet: FP32 31.2, TF32 62.5 | 125*, BF16 125 | 250*, FP16 125 | 250* TFLOPS
+    # (* with sparsity), GDDR6 600 GB/s, 24 GB, PCIe gen4 x16.
+    Gpu("A10", 24 * GiB, _tf(fp32=31.2, tf32=62.5, bf16=125, fp16=125), 600 * GB_S, "PCIe gen4 x16", PCIE[4],
+        patterns=(r"\bA10\b(?!0)",), source="NVIDIA A10 datasheet"),
+    # NVIDIA L4 datasheet: FP32 30.3, TF32 120*, BF16 242*, FP16 242* TFLOPS (* with sparsity: dense is
+    # half), GDDR6 300 GB/s, 24 GB, PCIe gen4 x16.
+    Gpu("L4", 24 * GiB, _tf(fp32=30.3, tf32=60, bf16=121, fp16=121), 300 * GB_S, "PCIe gen4 x16", PCIE[4],
+        patterns=(r"\bL4\b",), source="NVIDIA L4 datasheet"),
+    # NVIDIA A100 datasheet (SXM): FP32 19.5, TF32 156 | 312*, BF16 312 | 624*, FP16 312 | 624* TFLOPS;
+    # HBM2 1,555 GB/s (40GB), HBM2e 2,039 GB/s (80GB); PCIe gen4 x16 to the host.
+    Gpu("A100-40", 40 * GiB, _tf(fp32=19.5, tf32=156, bf16=312, fp16=312), 1555 * GB_S, "PCIe gen4 x16",
+        PCIE[4], patterns=(r"A100.*40\s*GB",), source="NVIDIA A100 datasheet (SXM4 40GB)"),
+    Gpu("A100-80", 80 * GiB, _tf(fp32=19.5, tf32=156, bf16=312, fp16=312), 2039 * GB_S, "PCIe gen4 x16",
+        PCIE[4], patterns=(r"A100.*80\s*GB",), source="NVIDIA A100 datasheet (SXM4 80GB)"),
+    # NVIDIA H100 datasheet (SXM): FP32 67, TF32 989*, BF16 1,979*, FP16 1,979* TFLOPS (* with
+    # sparsity: dense is half), HBM3 3.35 TB/s, 80 GB, PCIe gen5 x16 to the host.
+    Gpu("H100-80", 80 * GiB, _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 3350 * GB_S, "PCIe gen5 x16",
+        PCIE[5], patterns=(r"H100.*80\s*GB", r"H100 SXM"), source="NVIDIA H100 datasheet (SXM5)"),
+    # NVIDIA H200 datasheet (SXM): same compute as H100 SXM (FP32 67, TF32 989*, BF16/FP16 1,979*
+    # TFLOPS, * with sparsity), HBM3e 141 GB at 4.8 TB/s, PCIe gen5 x16 to the host.
+    Gpu("H200-141", 141 * GiB, _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 4800 * GB_S,
+        "PCIe gen5 x16", PCIE[5], patterns=(r"H200",), source="NVIDIA H200 datasheet (SXM)"),
+    # NVIDIA Ada Lovelace architecture whitepaper (v1.1), GeForce RTX 4090: FP32 82.6 TFLOPS; tensor
+    # FP16 and BF16 with FP32 accumulate (what PyTorch uses) 165.2 dense, TF32 82.6 dense;
+    # GDDR6X 1,008 GB/s, 24 GB, PCIe gen4 x16.
+    Gpu("RTX-4090", 24 * GiB, _tf(fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2), 1008 * GB_S, "PCIe gen4 x16",
+        PCIE[4], patterns=(r"RTX 4090",), source="NVIDIA Ada Lovelace whitepaper (RTX 4090)"),
+)}
+
+
+def gpus() -> list[str]:
+    """Names of the devices an estimate can target: the GPU catalog, then `cpu` (this machine).
+
+    >>> "A100-40" in gpus() and gpus()[-1] == "cpu"
+    True
+    """
+    return [*_CATALOG, "cpu"]
+
+
+def get(name: str) -> Gpu:
+    """The catalog entry of `name` (`cpu`: this machine, its peaks measured once per process)."""
+    check_choice("gpu", name, gpus())
+    return cpu() if name == "cpu" else _CATALOG[name]
+
+
+def for_device_name(device_name: str | None) -> str | None:
+    """The catalog name of the device a record ran on (its ``env.device_name``), or None."""
+    for g in _CATALOG.values():
+        if g.matches(device_name):
+            return g.name
+    return None
+
+
+# -- this machine ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CpuPeaks:
+    """Measured peaks of this machine with torch's current thread count."""
+
+    flops: dict = field(default_factory=dict)  # format -> FLOP/s of a large matmul
+    memory_bandwidth: float = 0.0  # bytes/s of a large copy (read + write)
+    threads: int = 1
+    seconds: float = 0.0  # how long measuring took
+
+
+def _best_rate(fn, work: float, repeats: int) -> float:
+    fn()  # warm-up: thread pool, packing buffers
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return work / best
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_peaks(threads: int | None = None) -> CpuPeaks:
+    """Measure this machine's matmul FLOP/s per format and its copy bandwidth (about a second).
+
+    The best of a few repeats: a peak, as datasheets give, not a typical rate.
+    Cached per thread count for the life of the process.
+    """
+    threads = torch.get_num_threads() if threads is None else threads
+    t0 = time.perf_counter()
+    flops = {}
+    # fp32 at 1024 reaches the BLAS plateau; bf16/fp16 without AMX/AVX512-BF16 run about 100x slower
+    # (docs/ENVIRONMENT), so they get a smaller matrix to keep this short
+    for fmt, dtype, n, reps in (("fp32", torch.float32, 1024, 5), ("bf16", torch.bfloat16, 256, 2),
+                                ("fp16", torch.float16, 256, 2)):
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        flops[fmt] = _best_rate(lambda: torch.mm(a, b), 2.0 * n ** 3, reps)
+    flops["tf32"] = None  # no tf32 path on a CPU
+    src = torch.empty(32 * 2 ** 20 // 4)  # 32 MiB: well past the last-level cache
+    dst = torch.empty_like(src)
+    bandwidth = _best_rate(lambda: dst.copy_(src), 2.0 * src.numel() * 4, 5)  # read + write
+    return CpuPeaks(flops, bandwidth, threads, time.perf_counter() - t0)
+
+
+def _memory_total() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cpu() -> Gpu:
+    """This machine as a device: its RAM, its measured peaks (`cpu_peaks`), CPU kernels."""
+    from momlab.provenance import environment
+
+    peaks = cpu_peaks()
+    name = environment("cpu")["device_name"]
+    return Gpu("cpu", _memory_total(), dict(peaks.flops), peaks.memory_bandwidth, "none (host memory)",
+               peaks.memory_bandwidth, kernels="cpu", patterns=(re.escape(name),),
+               launch_s=0.0,  # fitted per machine (momlab.estimate.calibrate)
+               source=f"measured on this machine ({name}, {peaks.threads} threads)",
+               notes="memory is the machine's RAM; a budget stands in for a GPU's capacity")
+
+
+class _CallableModule(types.ModuleType):
+    """`momlab.gpus()` lists the devices, while `momlab.gpus.get` stays this module's."""
+
+    def __call__(self) -> list[str]:
+        return gpus()
+
+
+sys.modules[__name__].__class__ = _CallableModule

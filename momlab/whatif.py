@@ -1,0 +1,364 @@
+"""What if: a model, a MOM and a GPU we do not have, answered from traces (notebook 06).
+
+Everything here reads `momlab.estimate`'s cached traces: a change of batch
+size, GPU (of the same kernel family) or a MOM already traced redraws in
+milliseconds, without running anything; a new model size, precision or MOM
+traces once (seconds for a real size, under one for a tiny one) and is
+cached from then on. Measured points from results/*.jsonl of the same model,
+size, precision and device are drawn over the predictions.
+
+`figure()` draws one state; `app()` wraps it in ipywidgets for the notebook.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+from matplotlib.figure import Figure  # not pyplot: no global backend, nothing shown twice in a notebook
+
+from momlab import catalog
+from momlab.estimate import (_result_files, batch_grid, calibrate, estimate, predict_max_batch,
+                             throughput_curve)
+from momlab.gpus import get as get_gpu
+from momlab.gpus import gpus
+from momlab.plots import OOM_MARKER, mom_style
+from momlab.plots import save as plots_save
+from momlab.units import format_bytes
+
+PARTS = (("params_bytes", "weights"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer"),
+         ("activation_bytes", "activations"), ("workspace_bytes", "workspace"))
+PART_COLORS = ("#4C72B0", "#55A868", "#8172B2", "#DD8452", "#C44E52")
+# slider keywords per family, in display order
+SLIDERS = {"bert": ("num_layers", "hidden_size", "seq_len"), "gpt": ("num_layers", "hidden_size", "seq_len"),
+           "vit": ("num_layers", "hidden_size", "image_size"), "swin": ("num_layers", "hidden_size", "image_size"),
+           "resnet": ("num_layers", "hidden_size", "image_size")}
+
+
+def size_from(model: str, size=None, **flat) -> dict:
+    """Size keywords from a notebook's parameters: a dict, "tiny" (the preset), plus flat values.
+
+    >>> size_from("bert-base", "tiny", num_layers=3, seq_len=None)["num_layers"]
+    3
+    """
+    if size in (None, "", "default"):
+        out = {}
+    elif size == "tiny":
+        out = catalog.tiny(model)
+    elif isinstance(size, dict):
+        out = dict(size)
+    else:
+        raise ValueError(f"size must be a dict of size keywords, 'tiny' or None, got {size!r}")
+    out.update({k: int(v) for k, v in flat.items() if v is not None})
+    return out
+
+
+@dataclass
+class State:
+    """What the figure shows: one configuration, several MOMs."""
+
+    model: str = "bert-large"
+    gpu: str = "A100-40"
+    precision: str = "fp32"
+    moms: tuple = ("exact", "ckpt")
+    batch_size: int = 32
+    size: dict = field(default_factory=dict)
+    results: object = None  # where measured records are (default results/*.jsonl)
+
+    def resolved_size(self) -> dict:
+        return catalog.resolve_size(self.model, self.size)
+
+
+@dataclass
+class View:
+    """What one update computed: per MOM the estimate at the batch, its curve, its max batch."""
+
+    state: State
+    at_batch: dict  # mom -> Estimate (or None: the MOM does not apply)
+    curves: dict  # mom -> list[Estimate]
+    max_batch: dict  # mom -> int
+    verdict: str
+    skipped: dict  # mom -> why it does not apply
+    capacity: int
+    calibrated: bool
+
+
+def compute(state: State) -> View:
+    """Estimates for `state` (traces on first use, then cached)."""
+    g = get_gpu(state.gpu)
+    at, curves, maxb, skipped = {}, {}, {}, {}
+    for mom in state.moms:
+        try:
+            mb = predict_max_batch(state.model, mom, gpu=state.gpu, precision=state.precision, **state.size)
+        except ValueError as exc:  # ckpt-selective on a ResNet, bf16 on a V100, ...
+            skipped[mom] = str(exc).splitlines()[0]
+            continue
+        maxb[mom] = mb
+        # the grid `best_throughput` (and so `verdict`) scans, plus the first batch that does not fit
+        grid = sorted(set(batch_grid(mb)) | {mb + 1, state.batch_size})
+        curves[mom] = throughput_curve(state.model, mom, gpu=state.gpu, batch_sizes=grid,
+                                           precision=state.precision, results=state.results, **state.size)
+        at[mom] = estimate(state.model, mom, batch_size=state.batch_size, gpu=state.gpu,
+                               precision=state.precision, results=state.results, **state.size)
+    cal = calibrate(state.gpu, results=state.results)
+    return View(state, at, curves, maxb, _verdict(state, curves, maxb), skipped, g.memory_bytes, cal.calibrated)
+
+
+def _best(curve):
+    fitting = [e for e in curve if e.fits]
+    return max(fitting, key=lambda e: e.throughput) if fitting else None
+
+
+def _verdict(state: State, curves: dict, maxb: dict) -> str:
+    best = {m: _best(c) for m, c in curves.items()}
+    fitting = {m: b for m, b in best.items() if b is not None}
+    if not fitting:
+        return f"S1: nothing fits {state.model} on {state.gpu}, not even at batch 1."
+    win, e = max(fitting.items(), key=lambda kv: kv[1].throughput)
+    text = (f"S1 on {state.gpu}: {win} is fastest, {e.throughput:,.4g} samples/s at batch {e.batch_size} "
+            f"(max batch {maxb[win]})")
+    base = fitting.get("exact")
+    if win != "exact" and "exact" in curves:
+        text += (f", {e.throughput / base.throughput:.2f}x exact" if base else ", exact does not fit at all")
+    elif win == "exact" and len(fitting) > 1:
+        runner = max((kv for kv in fitting.items() if kv[0] != "exact"), key=lambda kv: kv[1].throughput)
+        text += f"; no MOM beats exact (best: {runner[0]}, {runner[1].throughput / e.throughput:.2f}x)"
+    return text + "."
+
+
+# -- measured points -----------------------------------------------------------------------
+
+_MEASURED: dict = {}
+
+
+def measured(state: State):
+    """Measured records (fits, with a throughput) of this model, size, precision and device."""
+    import os
+
+    from momlab.results import read_records
+
+    files = _result_files(state.results)
+    key = tuple((f, os.path.getmtime(f)) for f in files if os.path.exists(f))
+    if key not in _MEASURED:
+        recs = []
+        for f in files:
+            recs.extend(read_records(f))
+        _MEASURED.clear()
+        _MEASURED[key] = recs
+    g = get_gpu(state.gpu)
+    size = state.resolved_size()
+    device = "cpu" if state.gpu == "cpu" else "cuda"
+    out = []
+    for r in _MEASURED[key]:
+        env = r.get("env") or {}
+        if (r.get("model") == state.model and r.get("precision") == state.precision and r.get("size") == size
+                and env.get("device") == device and g.matches(env.get("device_name"))
+                and r.get("fits") and isinstance(r.get("throughput"), (int, float)) and r["throughput"] > 0):
+            out.append(r)
+    return out
+
+
+# -- drawing -----------------------------------------------------------------------------------
+
+def figure(view: View, fig=None):
+    """Memory breakdown at the batch vs the GPU's capacity, and throughput vs batch per MOM."""
+    if fig is None:
+        fig = Figure(figsize=(11, 4.2))
+    fig.clf()
+    ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.5]})
+    s = view.state
+    moms = [m for m in s.moms if m in view.at_batch]
+    peaks = [view.at_batch[m].peak_bytes for m in moms]
+    gib, unit = (2 ** 30, "GiB") if max(peaks + [view.capacity]) >= 2 ** 30 and max(peaks or [0]) >= 2 ** 28 \
+        else (2 ** 20, "MiB")
+    x = np.arange(len(moms))
+    bottom = np.zeros(len(moms))
+    for (key, label), color in zip(PARTS, PART_COLORS):
+        vals = np.array([getattr(view.at_batch[m], key) for m in moms], dtype=float) / gib
+        ax_mem.bar(x, vals, bottom=bottom, color=color, label=label, width=0.6)
+        bottom += vals
+    for i, m in enumerate(moms):
+        e = view.at_batch[m]
+        if e.host_bytes:
+            ax_mem.annotate(f"+{format_bytes(e.host_bytes)} host", (i, bottom[i]), ha="center", va="bottom",
+                            fontsize=7, xytext=(0, 2), textcoords="offset points")
+    cap = view.capacity / gib
+    highest = float(bottom.max()) if len(bottom) else 0.0
+    label = f"{s.gpu}: {format_bytes(view.capacity)}"
+    if highest and cap > 8 * highest:  # the capacity line would flatten the bars: say it instead
+        top = highest * 1.35
+        ax_mem.set_xlabel(f"{label}: off scale, {cap / highest:,.0f}x the largest peak", fontsize=8)
+    else:
+        top = max(cap, highest) * 1.15
+        ax_mem.axhline(cap, color="black", ls="--", lw=1)
+        ax_mem.text(len(moms) - 0.5 if moms else 0, cap, label, va="bottom", ha="right", fontsize=8)
+    ax_mem.set_xticks(x, moms, rotation=20, ha="right", fontsize=8)
+    ax_mem.set_ylabel(f"{unit} (predicted peak)")
+    ax_mem.set_title(f"{s.model} at batch {s.batch_size}, {s.precision}", fontsize=10)
+    ax_mem.legend(fontsize=7, loc="upper left")
+    ax_mem.set_ylim(0, top or 1)
+
+    points = measured(s)
+    for m in moms:
+        style = mom_style(m)
+        c = style["color"]
+        curve = view.curves[m]
+        fit = [e for e in curve if e.fits]
+        if fit:
+            ax_tp.plot([e.batch_size for e in fit], [e.throughput for e in fit], color=c, label=m, lw=1.5,
+                       ls=style.get("linestyle", "-"))
+            last = fit[-1]
+            ax_tp.plot([last.batch_size], [last.throughput], style.get("marker", "o"), color=c, ms=4)
+        over = [e for e in curve if not e.fits]
+        if over:
+            first = over[0]
+            ax_tp.plot([first.batch_size], [first.batch_size / first.step_time_s], **OOM_MARKER)
+        pts = [r for r in points if r.get("mom") == m]
+        if pts:
+            ax_tp.scatter([r["batch_size"] for r in pts], [r["throughput"] for r in pts], s=24,
+                          facecolors="none", edgecolors=c, linewidths=1.3, label=f"{m} measured", zorder=3)
+    ax_tp.axvline(s.batch_size, color="grey", ls=":", lw=1)
+    ax_tp.set_xscale("log", base=2)
+    ax_tp.set_xlabel("batch size")
+    ax_tp.set_ylabel("samples/s (predicted)" + ("" if view.calibrated else ", uncalibrated"))
+    ax_tp.set_title(_wrap(view.verdict, 70), fontsize=9)
+    if moms:
+        ax_tp.legend(fontsize=7, loc="upper left")
+    # fixed margins: tight_layout would cost a third of an update
+    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.2, top=0.86, wspace=0.2)
+    return fig
+
+
+def _wrap(text: str, width: int) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.wrap(text, width))
+
+
+def png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    return buf.getvalue()
+
+
+def save(view: View, path_without_ext) -> list[Path]:
+    """Draw `view` and write ``<path>.png`` and ``<path>.pdf`` (as `momlab.plots.save`)."""
+    return plots_save(figure(view), str(path_without_ext).removesuffix(".png"))
+
+
+# -- widgets -------------------------------------------------------------------------------------
+
+def _slider_range(model: str, key: str, size: dict) -> tuple[int, int, int]:
+    from momlab.search import size_step
+
+    spec = catalog.spec(model)
+    step = size_step(model, key, **{k: v for k, v in size.items() if k != key})
+    default = max(spec.size[key], spec.tiny.get(key, spec.size[key]))
+    low = step if key != "image_size" else max(step, spec.tiny.get(key, step))
+    high = max(default * 2, low + step)
+    return low, high // step * step, step
+
+
+class App:
+    """The widgets of notebook 06 around `compute` and `figure`; `update()` redraws."""
+
+    def __init__(self, state: State, figure_path=None):
+        import ipywidgets as w
+
+        self.state = state
+        self.figure_path = figure_path
+        self.fig = Figure(figsize=(11, 4.2))
+        self.last_update_s = math.nan
+        self._busy = False
+        style = {"description_width": "80px"}
+        self.model = w.Dropdown(options=catalog.models(), value=state.model, description="model", style=style)
+        self.gpu = w.Dropdown(options=gpus(), value=state.gpu, description="GPU", style=style)
+        self.precision = w.Dropdown(options=["fp32", "bf16", "fp16"], value=state.precision, description="precision",
+                                    style=style)
+        import momlab.moms
+
+        options = list(dict.fromkeys([*momlab.moms.moms(), "quant4+ckpt", "swap+ckpt", "quant4+swap", *state.moms]))
+        self.moms = w.SelectMultiple(options=options, value=tuple(state.moms), description="MOMs", rows=6, style=style)
+        self.batch = w.IntSlider(value=state.batch_size, min=1, max=max(64, 4 * state.batch_size), description="batch",
+                                 continuous_update=False, style=style)
+        self.sliders = {}
+        self.size_box = w.VBox()
+        self.image = w.Image(format="png")
+        self.verdict = w.HTML()
+        self.status = w.HTML()
+        self._build_sliders()
+        for widget in (self.gpu, self.precision, self.moms, self.batch):
+            widget.observe(self._changed, names="value")
+        self.model.observe(self._model_changed, names="value")
+        controls = w.VBox([self.model, self.gpu, self.precision, self.moms, self.batch, self.size_box],
+                          layout=w.Layout(flex="0 0 340px", width="340px"))
+        self.image.layout = w.Layout(width="860px", flex="0 1 860px")
+        self.widget = w.VBox([w.HBox([controls, self.image]), self.verdict, self.status])
+        self.update()
+
+    def _build_sliders(self):
+        import ipywidgets as w
+
+        family = catalog.spec(self.state.model).family
+        size = self.state.resolved_size()
+        self.sliders = {}
+        for key in SLIDERS[family]:
+            low, high, step = _slider_range(self.state.model, key, size)
+            s = w.IntSlider(value=size[key], min=low, max=max(high, size[key]), step=step, description=key,
+                            continuous_update=False, style={"description_width": "80px"})
+            s.observe(self._changed, names="value")
+            self.sliders[key] = s
+        self.size_box.children = list(self.sliders.values())
+
+    def _model_changed(self, change):
+        self.state = replace(self.state, model=change["new"], size={})
+        self._build_sliders()
+        self.update()
+
+    def _changed(self, change=None):
+        if self._busy:
+            return
+        self.state = replace(
+            self.state, gpu=self.gpu.value, precision=self.precision.value, moms=tuple(self.moms.value),
+            batch_size=int(self.batch.value),
+            size={**self.state.size, **{k: int(s.value) for k, s in self.sliders.items()}})
+        self.update()
+
+    def update(self) -> View:
+        """Recompute and redraw (traces only what is not cached yet)."""
+        t0 = time.perf_counter()
+        try:
+            view = compute(self.state)
+        except ValueError as exc:
+            self.status.value = f"<span style='color:#b00'>{exc}</span>"
+            return None
+        figure(view, self.fig)
+        self.image.value = png(self.fig)
+        self.verdict.value = f"<b>{view.verdict}</b>" + "".join(
+            f"<br>{m} does not apply: {why}" for m, why in view.skipped.items())
+        top = max([*view.max_batch.values(), self.state.batch_size, 8])
+        self._busy = True  # widening the slider must not trigger another update
+        try:
+            self.batch.max = max(self.batch.max, int(top * 1.25) + 1)
+        finally:
+            self._busy = False
+        self.last_update_s = time.perf_counter() - t0
+        self.status.value = (f"<small>updated in {self.last_update_s:.2f} s; "
+                             f"{'calibrated' if view.calibrated else 'uncalibrated'} step times "
+                             f"({calibrate(self.state.gpu, results=self.state.results).source})</small>")
+        if self.figure_path:
+            self.fig.savefig(self.figure_path, dpi=110)
+        self.view = view
+        return view
+
+
+def app(state: State | None = None, *, figure_path=None, **kw) -> App:
+    """The what-if widgets for `state` (or ``State(**kw)``); ``app(...).widget`` is what to display."""
+    if state is None:
+        state = State(**kw)
+    return App(state, figure_path)
