@@ -13,6 +13,8 @@ __version__ = "0.1.0"
 from momlab import moms  # noqa: E402  (callable: momlab.moms() -> names)
 from momlab.catalog import models, tiny  # noqa: E402
 from momlab.errors import OutOfMemory  # noqa: E402
+from momlab.estimate import estimate  # noqa: E402
+from momlab.gpus import gpus  # noqa: E402
 from momlab.measure import measure  # noqa: E402
 from momlab.moms import apply  # noqa: E402
 from momlab.record import Measurement  # noqa: E402
@@ -22,6 +24,7 @@ from momlab.units import format_bytes, parse_bytes  # noqa: E402
 from momlab.workload import Workload, build  # noqa: E402
 
 __all__ = [
-    "OutOfMemory", "Measurement", "Search", "Workload", "apply", "build", "format_bytes", "max_batch_size",
+    "OutOfMemory", "Measurement", "Search", "Workload", "apply", "build", "estimate", "format_bytes", "gpus",
+    "max_batch_size",
     "max_model_size", "measure", "models", "moms", "parse_bytes", "sweep", "tiny", "__version__",
 ]
