@@ -13,8 +13,7 @@ __version__ = "0.1.0"
 from momlab import moms  # noqa: E402  (callable: momlab.moms() -> names)
 from momlab.catalog import models, tiny  # noqa: E402
 from momlab.errors import OutOfMemory  # noqa: E402
-from momlab.estimate import estimate  # noqa: E402
-from momlab.gpus import gpus  # noqa: E402
+from momlab import estimate, gpus  # noqa: E402  (callable modules: momlab.estimate(...), momlab.gpus())
 from momlab.measure import measure  # noqa: E402
 from momlab.moms import apply  # noqa: E402
 from momlab.record import Measurement  # noqa: E402
