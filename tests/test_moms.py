@@ -17,13 +17,7 @@ from momlab import moms  # noqa: E402
 from momlab.accounting import StorageTracker  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny models: a second thread only adds synchronization and noise
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- names and combinations ----------------------------------------------------------------

@@ -14,14 +14,7 @@ from momlab.moms.quant import GROUP_SIZE, Packed, Quantizer, dequantize, pack_ma
 META_BYTES = 8  # fp32 min + fp32 scale per group of 256
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # these models are tiny: a second thread only adds synchronization, and
-    # on a busy 2-core machine it makes the timings erratic
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # -- bytes ---------------------------------------------------------------------------
