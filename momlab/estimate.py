@@ -386,13 +386,15 @@ class Profile:
         return a + (b - a) * ((batch - b1) / (b2 - b1))
 
     def at(self, batch_size: int, *, trace: bool = False) -> Probe:
-        """The step at `batch_size`: read off the two traces (exact at them; a batch below the first is
-        extrapolated like any other), or traced when `trace` (or when the traces do not align)."""
+        """The step at `batch_size`, read off the two traces (exact at them), or traced when `trace`, when
+        the traces do not align, or below them where smaller batches ran other ops (quantization leaves
+        tensors under 1024 values unpacked, so a tiny model's smallest batches save other tensors)."""
         check_batch_size(batch_size)
         for p in (self.lo, self.hi):
             if p.batch_size == batch_size:
                 return p
-        if trace or not self.aligned:
+        below = batch_size < self.lo.batch_size and self.lo.batch_size != TRACE_BATCHES[0]
+        if trace or below or not self.aligned:
             if batch_size not in self.direct:
                 self.direct[batch_size] = self.session.probe(batch_size)
             return self.direct[batch_size]
@@ -427,7 +429,11 @@ class Profile:
             return 0
         if not grows.any():
             return 2 ** 31 - 1
-        return int(max(0, np.floor((capacity - a[grows]) / s[grows] + 1e-9).min()))
+        best = int(max(0, np.floor((capacity - a[grows]) / s[grows] + 1e-9).min()))
+        if best < self.lo.batch_size and self.lo.batch_size != TRACE_BATCHES[0]:
+            # below the aligned traces other ops ran (see `at`): ask the traces of those batches
+            best = max((b for b in range(1, self.lo.batch_size) if self.at(b).peak_bytes <= capacity), default=0)
+        return best
 
 
 _PROFILES: dict[tuple, Profile] = {}

@@ -1,0 +1,320 @@
+"""Estimates: traced memory equals measured memory, two traces give every batch, the GPU catalog.
+
+The comparisons against `momlab.measure` use the `cpu` device: the same CPU
+kernels, so a trace must reproduce the measured bytes (the brief asks 3%; in
+practice they are equal). GPU predictions cannot be measured here; their
+tests check what can be checked without one: the CUDA attention kernel is
+traced, the catalog numbers, calibration from records, the closed forms.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import momlab.moms
+from momlab import catalog
+from momlab.estimate import (
+    TRACE_BATCHES,
+    Estimate,
+    calibrate,
+    estimate,
+    predict_max_batch,
+    predict_max_size,
+    profile,
+    verdict,
+)
+from momlab.gpus import for_device_name, get, gpus
+from momlab.measure import measure
+
+MODELS = catalog.models()
+MOMS = momlab.moms.moms()
+MEMORY = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "workspace_bytes",
+          "host_bytes")
+# the fast subset: every model exactly, every MOM on a transformer and a ResNet; the rest is marked slow
+FAST = ({(m, "exact") for m in MODELS} | {("bert-base", m) for m in MOMS}
+        | {("resnet50", m) for m in ("ckpt", "ckpt-selective", "quant4")})
+
+
+def _applies(model: str, mom: str) -> bool:
+    return not (mom == "ckpt-selective" and catalog.spec(model).family == "resnet")
+
+
+def _matrix():
+    return [pytest.param(model, mom, marks=() if (model, mom) in FAST else (pytest.mark.slow,), id=f"{model}-{mom}")
+            for model in MODELS for mom in MOMS]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_records(tmp_path_factory):
+    """Calibrate `cpu` from nothing measured here: results/ of other runs must not change these tests."""
+    empty = tmp_path_factory.mktemp("results")
+    yield empty
+
+
+def _cpu_estimate(model, mom, batch, results, **kw):
+    return estimate(model, mom, batch_size=batch, gpu="cpu", results=results, **catalog.tiny(model), **kw)
+
+
+@pytest.mark.parametrize("model,mom", _matrix())
+def test_traced_memory_equals_measured_on_cpu(model, mom, _no_records):
+    """Every catalog model's tiny preset and every MOM: the estimate is the measurement, without running."""
+    size = catalog.tiny(model)
+    if not _applies(model, mom):
+        with pytest.raises(ValueError, match="ckpt-selective"):
+            _cpu_estimate(model, mom, 2, _no_records)
+        return
+    e = _cpu_estimate(model, mom, 2, _no_records)
+    m = measure(model, mom, batch_size=2, steps=1, **size)
+    assert e.peak_bytes == pytest.approx(m.peak_bytes, rel=0.03)
+    assert e.activation_bytes == pytest.approx(m.activation_bytes, rel=0.03)
+    # the traced step is the measured step: every field is in fact equal
+    assert {k: getattr(e, k) for k in MEMORY} == {k: getattr(m, k) for k in MEMORY}
+    assert e.flops == m.flops and e.memory_source == "predicted" and e.gpu == "cpu" and e.fits
+
+
+@pytest.mark.parametrize("model,mom,precision", [
+    ("bert-base", "exact", "bf16"), ("bert-base", "ckpt", "fp16"), ("gpt2", "quant4", "bf16"),
+    ("resnet50", "exact", "bf16"),  # batch norm statistics stay fp32 (meta kernels say bf16)
+    pytest.param("swin-tiny", "swap", "fp16", marks=pytest.mark.slow),  # layer norm statistics, GradScaler
+    pytest.param("vit-base", "ckpt-selective", "bf16", marks=pytest.mark.slow),
+])
+def test_mixed_precision_traces_cpu_autocast(model, mom, precision, _no_records):
+    """bf16/fp16: fake CPU weights get CPU autocast, so the trace is the measured mixed-precision step."""
+    e = _cpu_estimate(model, mom, 2, _no_records, precision=precision)
+    m = measure(model, mom, batch_size=2, steps=1, precision=precision, **catalog.tiny(model))
+    assert {k: getattr(e, k) for k in MEMORY} == {k: getattr(m, k) for k in MEMORY}
+    assert e.precision == precision and e.flops == m.flops
+
+
+@pytest.mark.parametrize("model,mom,kernels", [
+    ("bert-base", "exact", "cpu"), ("bert-base", "quant4", "cpu"), ("gpt2", "swap+ckpt", "cuda"),
+    ("resnet50", "ckpt", "cpu"), ("vit-base", "ckpt-selective", "cuda"),
+])
+def test_interpolation_equals_a_direct_trace(model, mom, kernels):
+    """Memory is affine in the batch, op by op: two traces give a third batch exactly."""
+    prof = profile(model, mom, kernels=kernels, **catalog.tiny(model))
+    assert prof.aligned and (prof.lo.batch_size, prof.hi.batch_size) == TRACE_BATCHES[:2]
+    for batch in (7, 13):
+        read = prof.at(batch)
+        traced = prof.at(batch, trace=True)
+        assert read is not traced
+        for field in MEMORY:
+            assert getattr(read, field) == getattr(traced, field), field
+        assert np.array_equal(read.live, traced.live)
+        assert read.flops.sum() == traced.flops.sum() and read.bytes.sum() == traced.bytes.sum()
+
+
+def test_interpolated_estimate_is_measured_memory(_no_records):
+    """At a batch never traced, the estimate still equals the measurement."""
+    e = _cpu_estimate("gpt2", "ckpt", 5, _no_records)
+    m = measure("gpt2", "ckpt", batch_size=5, steps=1, **catalog.tiny("gpt2"))
+    assert e.interpolated
+    assert {k: getattr(e, k) for k in MEMORY} == {k: getattr(m, k) for k in MEMORY}
+
+
+@pytest.mark.parametrize("mom", ["exact", "ckpt"])
+def test_predicted_max_batch_is_within_one_of_the_search(mom):
+    """The closed-form largest batch under a CPU budget against the measured search."""
+    search = pytest.importorskip("momlab.search", reason="momlab/search.py (max_batch_size) not written yet")
+    size = catalog.tiny("bert-base")
+    budget = 48 * 2 ** 20
+    found = search.max_batch_size("bert-base", mom, budget=budget, **size)
+    predicted = predict_max_batch("bert-base", mom, gpu="cpu", budget=budget, **size)
+    assert found.value > 2
+    assert abs(predicted - found.value) <= 1, (predicted, found.value, found.tried)
+
+
+def test_max_batch_closed_form_is_the_last_batch_that_fits():
+    prof = profile("bert-base", "ckpt", kernels="cuda", **catalog.tiny("bert-base"))
+    cap = prof.at(40).peak_bytes + 1000
+    best = prof.max_batch_size(cap)
+    assert prof.at(best, trace=True).peak_bytes <= cap < prof.at(best + 1, trace=True).peak_bytes
+    assert prof.max_batch_size(prof.lo.params_bytes) == 0  # not even the weights fit
+    assert list(prof.peak_bytes([best, best + 1])) == [prof.at(best).peak_bytes, prof.at(best + 1).peak_bytes]
+
+
+def test_max_model_size_is_exact_on_its_grid(_no_records):
+    size = {**catalog.tiny("bert-base")}
+    del size["num_layers"]
+    budget = 64 * 2 ** 20
+    layers = predict_max_size("bert-base", "exact", dim="num_layers", batch_size=8, gpu="cpu", budget=budget, **size)
+    assert layers >= 1
+    fits, over = (estimate("bert-base", batch_size=8, gpu="cpu", budget=budget, num_layers=n, results=_no_records,
+                           **size) for n in (layers, layers + 1))
+    assert fits.fits and not over.fits
+
+
+def test_cuda_kernels_trace_fused_attention():
+    """On a GPU, attention with dropout is one fused kernel: no probabilities or masks are saved."""
+    size = catalog.tiny("bert-base")
+    cpu = profile("bert-base", kernels="cpu", **size)
+    cuda = profile("bert-base", kernels="cuda", **size)
+    from momlab.estimate import _OP_IDS
+
+    names = {v: k for k, v in _OP_IDS.items()}
+    cuda_ops = {names[i] for i in cuda.lo.ops}
+    assert "aten._scaled_dot_product_efficient_attention.default" in cuda_ops
+    assert "aten._safe_softmax.default" not in cuda_ops  # the CPU math path's softmax is gone
+    assert "aten._safe_softmax.default" in {names[i] for i in cpu.lo.ops}
+    # per layer and sample: H*S*S probabilities (fp32) + dropout mask (bool) + dropped probabilities (fp32)
+    # are no longer kept; the fused kernel keeps a log-sum-exp of H*S (fp32, padded to 32) instead
+    layers, heads, seq, batch = 2, 2, 32, 8
+    assert cpu.at(batch).activation_bytes - cuda.at(batch).activation_bytes >= \
+        layers * batch * heads * (seq * seq * 9 - 32 * 4)
+
+
+def test_estimate_record_and_fits(_no_records):
+    e = estimate("bert-base", "swap", batch_size=8, gpu="A100-40", results=_no_records, **catalog.tiny("bert-base"))
+    assert isinstance(e, Estimate) and e.gpu == "A100-40" and e.device == "cuda"
+    assert e.fits and e.capacity_bytes == 40 * 2 ** 30 and e.memory_source == "predicted"
+    assert e.peak_bytes >= e.params_bytes + e.grads_bytes + e.optimizer_bytes
+    assert e.host_bytes > 0 and e.time["transfer_s"] == pytest.approx(2 * e.host_bytes / get("A100-40").host_bandwidth)
+    assert e.throughput == pytest.approx(8 / e.step_time_s)
+    d = e.to_dict()
+    assert json.loads(json.dumps(d))["peak_bytes"] == e.peak_bytes
+    small = estimate("bert-base", "swap", batch_size=8, gpu="A100-40", budget=e.peak_bytes - 1,
+                     results=_no_records, **catalog.tiny("bert-base"))
+    assert not small.fits and math.isnan(small.throughput) and small.step_time_s > 0
+
+
+def test_time_model_orders_moms_and_gpus(_no_records):
+    # wide enough that the step is bound by compute and bandwidth, not by launching kernels
+    size = {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "seq_len": 128}
+    exact = estimate("bert-base", batch_size=512, gpu="A100-40", results=_no_records, **size)
+    ckpt = estimate("bert-base", "ckpt", batch_size=512, gpu="A100-40", results=_no_records, **size)
+    assert exact.time["ideal_s"] / exact.efficiency > exact.time["launch_s"]
+    assert ckpt.flops > exact.flops and ckpt.step_time_s > exact.step_time_s  # recomputation costs
+    h100 = estimate("bert-base", batch_size=512, gpu="H100-80", results=_no_records, **size)
+    t4 = estimate("bert-base", batch_size=512, gpu="T4", results=_no_records, **size)
+    assert h100.step_time_s < exact.step_time_s < t4.step_time_s
+    assert not exact.calibrated and "uncalibrated" in exact.calibration
+
+
+def test_calibration_from_records_of_the_device(tmp_path):
+    """A measured record whose device name is an A100 40GB calibrates A100-40, and only it."""
+    size = catalog.tiny("bert-base")
+    raw = estimate("bert-base", batch_size=16, gpu="A100-40", results=tmp_path, **size)
+    measured_time = raw.step_time_s * 3.0
+    rec = {"model": "bert-base", "mom": "exact", "batch_size": 16, "precision": "fp32",
+           "size": catalog.resolve_size("bert-base", size), "fits": True, "step_time_s": measured_time,
+           "throughput": 16 / measured_time, "flops": raw.flops,
+           "env": {"device": "cuda", "device_name": "NVIDIA A100-SXM4-40GB"}}
+    (tmp_path / "a100.jsonl").write_text(json.dumps(rec) + "\n")
+    cal = calibrate("A100-40", results=tmp_path)
+    assert cal.calibrated and cal.records == 1 and "a100.jsonl" in cal.source
+    e = estimate("bert-base", batch_size=16, gpu="A100-40", results=tmp_path, **size)
+    assert e.calibrated and e.step_time_s == pytest.approx(measured_time, rel=1e-6)
+    assert not calibrate("A100-80", results=tmp_path).calibrated
+
+
+def test_gpu_catalog():
+    names = gpus()
+    assert names == ["V100-16", "V100-32", "T4", "A10", "L4", "A100-40", "A100-80", "H100-80", "H200-141",
+                     "RTX-4090", "cpu"]
+    for name in names[:-1]:
+        g = get(name)
+        assert g.memory_bytes >= 16 * 2 ** 30 and g.memory_bandwidth > 1e11 and g.host_bandwidth > 1e10
+        assert g.peak("fp32") and g.peak("fp16") >= g.peak("fp32") and g.source
+    assert get("A100-40").peak("bf16") == 312e12 and get("H100-80").peak("bf16") == pytest.approx(989.4e12)
+    assert get("V100-16").peak("bf16") is None and get("T4").peak("tf32") is None
+    assert for_device_name("NVIDIA A100-SXM4-40GB") == "A100-40"
+    assert for_device_name("NVIDIA A100 80GB PCIe") == "A100-80"
+    assert for_device_name("NVIDIA H100 80GB HBM3") == "H100-80"
+    assert for_device_name("Tesla V100-SXM2-16GB") == "V100-16"
+    assert for_device_name("NVIDIA A10") == "A10" and for_device_name("NVIDIA GeForce RTX 4090") == "RTX-4090"
+    assert for_device_name("NVIDIA H200") == "H200-141" and for_device_name("Intel Xeon") is None
+    cpu = get("cpu")
+    assert cpu.kernels == "cpu" and cpu.peak("fp32") > 1e9 and cpu.memory_bytes > 2 ** 30
+
+
+def test_errors_name_the_valid_choices():
+    size = catalog.tiny("bert-base")
+    with pytest.raises(ValueError, match="A100-40"):
+        estimate("bert-base", batch_size=2, gpu="A100", **size)
+    with pytest.raises(ValueError, match="valid precisions here: fp32, fp16"):
+        estimate("bert-base", batch_size=2, gpu="V100-16", precision="bf16", **size)
+    with pytest.raises(ValueError, match="batch_size"):
+        estimate("bert-base", batch_size=0, gpu="A100-40", **size)
+    with pytest.raises(ValueError, match="num_layers"):
+        estimate("bert-base", batch_size=2, gpu="A100-40", width_per_group=3)
+    with pytest.raises(ValueError, match="valid atomic MOMs"):
+        estimate("bert-base", "ckpt2", batch_size=2, gpu="A100-40", **size)
+
+
+def test_verdict_answers_fit_and_speed(_no_records):
+    size = catalog.tiny("bert-base")
+    budget = 48 * 2 ** 20
+    v = verdict("bert-base", ["exact", "ckpt", "quant4"], gpu="cpu", batch_size=64, budget=budget,
+                results=_no_records, **size)
+    rows = {r["mom"]: r for r in v["rows"]}
+    assert rows["ckpt"]["max_batch"] > rows["exact"]["max_batch"] > 0
+    assert rows["exact"]["max_batch"] == predict_max_batch("bert-base", gpu="cpu", budget=budget, **size)
+    assert v["s1"]["best"] == max(rows.values(), key=lambda r: r["throughput"])["mom"]
+    assert rows["exact"]["fits_at_batch"] is (rows["exact"]["max_batch"] >= 64)
+    assert "S1" in v["text"] and "ckpt at batch 64" in v["text"]
+
+
+def test_verdict_skips_moms_that_do_not_apply(_no_records):
+    v = verdict("resnet50", ["exact", "ckpt-selective"], gpu="A100-40", results=_no_records,
+                **catalog.tiny("resnet50"))
+    rows = {r["mom"]: r for r in v["rows"]}
+    assert not rows["ckpt-selective"]["applicable"] and "ckpt-selective" in rows["ckpt-selective"]["reason"]
+    assert v["s1"]["best"] == "exact"
+
+
+@pytest.mark.slow
+def test_bert_large_at_batch_1024_costs_no_memory():
+    """A real size on a laptop: nothing is allocated (the traced peak is far above this machine's RAM)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    e = estimate("bert-large", "exact", batch_size=1024, gpu="A100-80")
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    assert not e.fits and e.peak_bytes > 200 * 2 ** 30
+    assert grown < 2 * 2 ** 30
+
+
+def test_cli_estimate_json():
+    out = subprocess.run([sys.executable, "-m", "momlab", "estimate", "bert-base", "--tiny", "--gpu", "A100-40",
+                          "--mom", "ckpt", "--batch-size", "8", "--json", "--max-batch"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    api = estimate("bert-base", "ckpt", batch_size=8, gpu="A100-40", **catalog.tiny("bert-base"))
+    assert d["peak_bytes"] == api.peak_bytes and d["gpu"] == "A100-40" and d["mom"] == "ckpt"
+    assert d["max_batch_size"] == predict_max_batch("bert-base", "ckpt", gpu="A100-40", **catalog.tiny("bert-base"))
+    bad = subprocess.run([sys.executable, "-m", "momlab", "estimate", "bert-base", "--tiny", "--gpu", "B200",
+                          "--batch-size", "8"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "unknown gpu 'B200'" in bad.stderr and "A100-40" in bad.stderr
+
+
+def test_whatif_draws_breakdown_and_curves(tmp_path, _no_records):
+    from momlab import whatif
+
+    state = whatif.State("bert-base", "A100-40", "fp32", ("exact", "ckpt", "ckpt-selective"), 8,
+                         whatif.size_from("bert-base", "tiny"), _no_records)
+    view = whatif.compute(state)
+    assert set(view.curves) == {"exact", "ckpt", "ckpt-selective"} and view.max_batch["ckpt"] > view.max_batch["exact"]
+    assert view.verdict.startswith("S1 on A100-40")
+    paths = whatif.save(view, tmp_path / "06_what_if")
+    assert [p.suffix for p in paths] == [".png", ".pdf"] and paths[0].stat().st_size > 10_000
+    fig = whatif.figure(view)
+    mem, tp = fig.axes
+    assert len(mem.patches) == 5 * 3  # five categories stacked for three MOMs
+    assert {line.get_label() for line in tp.lines} >= {"exact", "ckpt", "ckpt-selective"}
+
+
+def test_size_from_notebook_parameters():
+    from momlab import whatif
+
+    assert whatif.size_from("bert-base", None) == {}
+    assert whatif.size_from("bert-base", "tiny", seq_len=64) == {**catalog.tiny("bert-base"), "seq_len": 64}
+    assert whatif.size_from("resnet50", {"num_layers": 3}, image_size=None) == {"num_layers": 3}
+    with pytest.raises(ValueError, match="tiny"):
+        whatif.size_from("bert-base", "small")
