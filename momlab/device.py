@@ -74,6 +74,19 @@ class CudaMemory:
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
+    @contextmanager
+    def uncapped(self):
+        """The whole device, for a step that must not be cut by the budget (ckpt-auto's costs)."""
+        if self.budget is None:
+            yield
+            return
+        total = total_memory(self.device)
+        torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
+
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)
 

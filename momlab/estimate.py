@@ -452,6 +452,9 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
     catalog.spec(model)
     size = catalog.resolve_size(model, size)
     mom = parse_mom(mom)
+    if "ckpt-auto" in mom.split("+"):
+        raise ValueError(f"{mom!r}: ckpt-auto's plan is chosen by measuring steps under a budget "
+                         f"(momlab.measure); estimate 'exact' and 'ckpt', which bound it")
     check_choice("precision", precision, PRECISIONS)
     check_choice("kernels", kernels, ("cuda", "cpu"))
     key = (model, mom, precision, tuple(sorted(size.items())), kernels)

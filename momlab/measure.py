@@ -22,14 +22,17 @@ import gc
 import math
 import statistics
 import time
+from contextlib import contextmanager
+from typing import Callable
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from momlab import catalog
 from momlab.accounting import StorageTracker, unique_storage_bytes
-from momlab.device import CudaMemory, check_device, empty_cache, is_oom, synchronize
+from momlab.device import CudaMemory, check_device, empty_cache, is_oom, synchronize, total_memory
 from momlab.errors import OutOfMemory, check_choice
+from momlab.moms import auto
 from momlab.provenance import environment
 from momlab.record import Measurement
 from momlab.units import parse_bytes
@@ -141,6 +144,149 @@ def _timed_steps(w: Workload, steps: int) -> list[float]:
     return times
 
 
+class _EmulatedMeter:
+    """The emulated device's account (a `StorageTracker`), as the probe and ckpt-auto read it."""
+
+    def __init__(self, tracker: StorageTracker):
+        self.tracker = tracker
+        self.capacity = tracker.budget
+
+    def live(self) -> int:
+        return self.tracker.device_bytes
+
+    def host(self) -> int:
+        return self.tracker.host_bytes
+
+    def reset_peak(self) -> None:
+        self.tracker.reset_peak()
+
+    def peak(self) -> int:
+        return self.tracker.peak_bytes
+
+    @contextmanager
+    def unlimited(self):
+        budget, self.tracker.budget = self.tracker.budget, None
+        try:
+            yield
+        finally:
+            self.tracker.budget = budget
+
+
+class _CudaMeter:
+    """The CUDA allocator's counters under the budget cap; a host tracker counts swap's bytes."""
+
+    def __init__(self, mem: CudaMemory, host: StorageTracker):
+        self.mem, self.host_tracker = mem, host
+        self.capacity = mem.budget if mem.budget is not None else total_memory(mem.device)
+
+    def live(self) -> int:
+        return self.mem.allocated()
+
+    def host(self) -> int:
+        return self.host_tracker.host_bytes
+
+    def reset_peak(self) -> None:
+        synchronize(self.mem.device)
+        self.mem.reset_peak()
+
+    def peak(self) -> int:
+        synchronize(self.mem.device)
+        return self.mem.peak()
+
+    @contextmanager
+    def unlimited(self):
+        with self.mem.uncapped():
+            yield
+
+
+def _probe_step(w: Workload, meter) -> tuple[int, _Probe]:
+    """One step with the account read at the end of forward and backward; returns (peak, probe)."""
+    gc.collect()
+    meter.reset_peak()
+    probe = _Probe(meter.live, meter.host, w)
+    w.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
+    return meter.peak(), probe
+
+
+def _try(w: Workload, run: Callable):
+    """`run()`, or None if it ran out of memory (the step's partial state is dropped)."""
+    failed = False
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - only OOM is an answer here
+        if not is_oom(exc):
+            raise
+        failed = True
+    if failed:  # outside the except block: the traceback and the tensors it holds are gone
+        w.optimizer.zero_grad(set_to_none=True)
+        gc.collect()
+        empty_cache(w.device)
+    return None
+
+
+def _warm_probe(w: Workload, meter, warmup: int) -> tuple[int, _Probe]:
+    """Warm up, then the probe step; ckpt-auto first chooses its plan (see `momlab.moms.auto`)."""
+    if w.handle is None or "ckpt-auto" not in w.mom.split("+"):
+        _warm_up(w, warmup)
+        return _probe_step(w, meter)
+    return _plan_checkpoints(w, meter, warmup)
+
+
+def _plan_checkpoints(w: Workload, meter, warmup: int) -> tuple[int, _Probe]:
+    """ckpt-auto: the fewest blocks (by bytes saved per recompute FLOP) whose step measured to fit.
+
+    Warm-up runs fully checkpointed (what fits if anything does) and leaves
+    the optimizer state resident; an out-of-memory there or in the fully
+    checkpointed probe is the answer, as for `ckpt`. Block costs come from
+    one step with nothing checkpointed and the budget lifted; each trial of
+    the search is one probe step under the budget, and the chosen plan's
+    probe is the measured one. The plan goes into the record's options.
+    """
+    handle, n = w.handle, len(w.handle.blocks)
+    capacity = meter.capacity
+    if capacity is None:  # no budget on the emulated device: nothing to fit, nothing to checkpoint
+        handle.checkpoint([])
+        _warm_up(w, warmup)
+        w.options["ckpt_plan"] = {"blocks": n, "checkpointed": [], "trials": []}
+        return _probe_step(w, meter)
+    handle.checkpoint(range(n))
+    _warm_up(w, warmup)
+    probes = {n: _probe_step(w, meter)}  # out of memory here: nothing fits (the record says so)
+    plan = {"blocks": n}
+    handle.checkpoint([])
+    costs = auto.BlockCosts(handle.blocks, meter.live)
+
+    def exact_step():
+        with meter.unlimited(), costs:
+            return _probe_step(w, meter)[0]
+
+    exact_peak = _try(w, exact_step)
+    if exact_peak is None:  # too big for the whole device: no costs; blocks in order, all of them first
+        ranking, guess = list(range(n)), n
+    else:
+        ranking = auto.order(costs.saving, costs.flops)
+        floor = probes[n][0]
+        guess = next(k for k in range(n + 1)
+                     if k == n or auto.predict_peak(ranking[:k], costs.saving, exact_peak, floor) <= capacity)
+        plan.update(exact_peak_bytes=exact_peak, saving_bytes=costs.saving, recompute_flops=costs.flops)
+
+    def fits(k: int) -> bool:
+        if k not in probes:
+            handle.checkpoint(ranking[:k])
+            result = _try(w, lambda: _probe_step(w, meter))
+            if result is None:
+                return False
+            probes[k] = result
+        return True
+
+    best, trials = auto.fewest(fits, guess, n)  # n fits (measured above): best is a number
+    handle.checkpoint(ranking[:best])
+    plan.update(order=ranking, predicted=guess, checkpointed=list(handle.checkpointed),
+                trials=[list(t) for t in trials])
+    w.options["ckpt_plan"] = plan
+    return probes[best]
+
+
 def _measure_emulated(base, dev, budget, steps, warmup, seed) -> Measurement:
     tracker = StorageTracker(budget=budget)
     w = None
@@ -148,15 +294,9 @@ def _measure_emulated(base, dev, budget, steps, warmup, seed) -> Measurement:
         w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
                   precision=base["precision"], seed=seed, **base["size"])
         with tracker:
-            state = w.state_tensors()
-            tracker.track(state["params"])
+            tracker.track(w.state_tensors()["params"])
             tracker.check_budget()
-            _warm_up(w, warmup)
-            gc.collect()
-            tracker.reset_peak()
-            probe = _Probe(lambda: tracker.device_bytes, lambda: tracker.host_bytes, w)
-            w.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
-            peak = tracker.peak_bytes
+            peak, probe = _warm_probe(w, _EmulatedMeter(tracker), warmup)
         flops = _count_flops(w)
         times = _timed_steps(w, steps)
         return _breakdown(base, w, peak, unique_storage_bytes, probe, flops, times,
@@ -181,17 +321,10 @@ def _measure_cuda(base, dev, budget, steps, warmup, seed) -> Measurement:
         with mem.capped():
             w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
                       precision=base["precision"], seed=seed, **base["size"])
-            _warm_up(w, warmup)
-            gc.collect()
-            synchronize(dev)
-            mem.reset_peak()
             # a tracker on the host side counts what a MOM keeps in host memory (swap)
             host = StorageTracker(devices=("cpu",))
-            probe = _Probe(mem.allocated, lambda: host.host_bytes, w)
             with host:
-                w.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
-            synchronize(dev)
-            peak = mem.peak()
+                peak, probe = _warm_probe(w, _CudaMeter(mem, host), warmup)
             flops = _count_flops(w)
             times = _timed_steps(w, steps)
         return _breakdown(base, w, peak, unique_storage_bytes, probe, flops, times, "cuda")

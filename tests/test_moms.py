@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # -- names and combinations ----------------------------------------------------------------
 
 def test_atomic_names():
-    assert moms.moms() == ["exact", "ckpt", "ckpt-selective", "swap", "quant8", "quant4", "quant2"]
+    assert moms.moms() == ["exact", "ckpt", "ckpt-selective", "ckpt-auto", "swap", "quant8", "quant4", "quant2"]
     assert moms() == moms.moms()  # `momlab.moms()` works on the package too
 
 
@@ -48,7 +48,10 @@ def test_combination_order_does_not_matter():
     ("ckpt+quant4+ckpt", "'ckpt' appears more than once"),
     ("exact+ckpt", "'exact' means no MOM and cannot be combined"),
     ("quant4+", "empty MOM name"),
-    ("quant3", "unknown MOM 'quant3'.*valid atomic MOMs: exact, ckpt, ckpt-selective, swap, quant8, quant4, quant2"),
+    ("quant3", "unknown MOM 'quant3'.*valid atomic MOMs: exact, ckpt, ckpt-selective, ckpt-auto, swap, quant8, "
+               "quant4, quant2"),
+    ("ckpt-auto+ckpt", "'ckpt' and 'ckpt-auto' both decide"),
+    ("swap+ckpt-auto", "'ckpt-auto' .* and 'swap' .* do not combine"),
     ("ckpt+offload", "unknown MOM 'offload'"),
     (None, "a MOM is a string"),
 ])

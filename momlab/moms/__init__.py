@@ -7,6 +7,7 @@ Atomic MOMs, one module each:
 | `exact`          | -              | nothing: the baseline                          |
 | `ckpt`           | ckpt.py        | keep block inputs, recompute blocks            |
 | `ckpt-selective` | selective.py   | keep linear outputs, recompute attention etc.  |
+| `ckpt-auto`      | auto.py        | checkpoint the fewest blocks that fit a budget |
 | `swap`           | swap.py        | saved tensors to host memory and back          |
 | `quant8/4/2`     | quant.py       | saved tensors stored in 8/4/2 bits             |
 
@@ -38,13 +39,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from momlab.moms import ckpt, quant, selective, swap
+from momlab.moms import auto, ckpt, quant, selective, swap
 
 # the canonical order of a combination (see the module docstring)
-ORDER = ("exact", "quant8", "quant4", "quant2", "swap", "ckpt", "ckpt-selective")
-_ATOMIC = ("exact", "ckpt", "ckpt-selective", "swap", "quant8", "quant4", "quant2")
+ORDER = ("exact", "quant8", "quant4", "quant2", "swap", "ckpt", "ckpt-selective", "ckpt-auto")
+_ATOMIC = ("exact", "ckpt", "ckpt-selective", "ckpt-auto", "swap", "quant8", "quant4", "quant2")
 _QUANT = {"quant8": 8, "quant4": 4, "quant2": 2}
-_CHECKPOINTING = ("ckpt", "ckpt-selective")
+_CHECKPOINTING = ("ckpt", "ckpt-selective", "ckpt-auto")
 
 
 def moms() -> list[str]:
@@ -72,9 +73,13 @@ def parse(mom: str) -> tuple[str, ...]:
         raise ValueError(f"MOM {twice[0]!r} appears more than once in {mom!r}")
     if "exact" in parts and len(parts) > 1:
         raise ValueError(f"'exact' means no MOM and cannot be combined with others (got {mom!r})")
-    if all(c in parts for c in _CHECKPOINTING):
-        raise ValueError(f"'ckpt' and 'ckpt-selective' both decide what each block recomputes; "
-                         f"choose one (got {mom!r})")
+    checkpointing = [p for p in _CHECKPOINTING if p in parts]
+    if len(checkpointing) > 1:
+        raise ValueError(f"{' and '.join(repr(p) for p in checkpointing)} both decide what each block "
+                         f"recomputes; choose one (got {mom!r})")
+    if "ckpt-auto" in parts and "swap" in parts:
+        raise ValueError(f"'ckpt-auto' changes which blocks are checkpointed between steps and 'swap' tags "
+                         f"saved tensors by block; they do not combine (got {mom!r}); use 'swap+ckpt'")
     levels = [p for p in parts if p in _QUANT]
     if len(levels) > 1:
         raise ValueError(f"{' and '.join(levels)} are two bit widths for the same saved tensors; "
@@ -99,6 +104,9 @@ class MomHandle:
     found, unwrapped), `.context()` a context manager installing its
     saved-tensor hooks (a nullcontext when it has none): enter it around
     computation outside the model, such as the loss. `.remove()` undoes it.
+    Under ``ckpt-auto``, `.checkpointed` lists the indices (into `.blocks`)
+    of the blocks checkpointed now and `.checkpoint(indices)` changes them
+    (see `momlab.moms.auto`).
     """
 
     mom: str
@@ -107,6 +115,18 @@ class MomHandle:
     hooks: _SavedTensors | None = None
     _wrappers: list[nn.Module] = field(default_factory=list, repr=False)
     _handles: list = field(default_factory=list, repr=False)
+    checkpointed: tuple[int, ...] = ()
+
+    def checkpoint(self, indices) -> None:
+        """Checkpoint exactly the blocks at `indices` (ckpt-auto's plan); the others run as they are."""
+        if "ckpt-auto" not in self.mom.split("+"):
+            raise ValueError(f"checkpoint(indices) changes ckpt-auto's plan; this model has MOM {self.mom!r}")
+        chosen = sorted({int(i) for i in indices})
+        if chosen and not 0 <= chosen[0] <= chosen[-1] < len(self.blocks):
+            raise ValueError(f"block indices must be in 0..{len(self.blocks) - 1}, got {list(indices)}")
+        ckpt.unwrap(self.module, self._wrappers)
+        self._wrappers = ckpt.wrap(self.module, [self.blocks[i] for i in chosen])
+        self.checkpointed = tuple(chosen)
 
     def context(self):
         if self.hooks is None:
@@ -117,19 +137,21 @@ class MomHandle:
         for h in self._handles:
             h.remove()
         ckpt.unwrap(self.module, self._wrappers)
-        self._handles, self._wrappers = [], []
+        self._handles, self._wrappers, self.checkpointed = [], [], ()
         self.module.__dict__.pop("_momlab_mom", None)
 
 
 def apply(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
-          seed: int = 0, prefetch: bool = True, compile: bool | None = None) -> MomHandle:
+          seed: int = 0, prefetch: bool = True, compile: bool | None = None, checkpoint=()) -> MomHandle:
     """Apply `mom` to `module` in place; returns its `MomHandle`.
 
     `blocks`: the repeated submodules checkpointing wraps (transformer
     layers, Swin blocks, ResNet bottlenecks); found automatically when None
     (see `find_blocks`). Options of the atomic MOMs: `seed` of quantization's
     rounding generator, `prefetch` of swap (CUDA), `compile` of quantization
-    (default: on CUDA only). Calling `module(...)` afterwards runs under the
+    (default: on CUDA only), `checkpoint` the indices of the blocks
+    ``ckpt-auto`` starts with (none: its plan is chosen by measuring, see
+    `momlab.moms.auto`). Calling `module(...)` afterwards runs under the
     MOM's saved-tensor hooks; enter ``handle.context()`` around anything
     else that saves tensors for backward (the loss).
     """
@@ -149,6 +171,10 @@ def apply(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
         if not blocks and any(p in _CHECKPOINTING for p in parts):
             raise ValueError(f"{canonical(mom)} needs at least one block; blocks=[] was passed")
     handle = compose(module, parts, blocks, seed=seed, prefetch=prefetch, compile=compile)
+    if "ckpt-auto" in parts:
+        handle.checkpoint(checkpoint)
+    elif checkpoint:
+        raise ValueError(f"checkpoint=[...] is ckpt-auto's plan; MOM {handle.mom!r} does not take one")
     module._momlab_mom = handle.mom
     return handle
 
