@@ -28,7 +28,10 @@ traces (batch 2 and 4) give every a_i and b_i, so any batch is read off
 without tracing again, and the peak is ``max_i(a_i + b_i * batch)`` (the
 moment of the peak may move: weights-heavy optimizer step at small batches,
 end of forward at large ones). The largest batch that fits follows in closed
-form. Traces are cached per (model, MOM, precision, size, kernels).
+form. Traces are cached per (model, MOM, precision, size, kernels), in the
+process and on disk (build/cache/traces, see `TRACE_CACHE`): a trace costs
+about 1.1 ms an op (bert-large: 2,000 ops a step, three steps), reading it
+back about ten milliseconds (a new process: a notebook kernel, the CLI).
 
 Time is a roofline per operation, summed: each op costs ``max(flops / peak
 FLOP/s of its number format, bytes read and written / memory bandwidth)``,
@@ -45,20 +48,24 @@ from __future__ import annotations
 
 import gc
 import glob
+import hashlib
+import json
 import math
 import os
+import platform
 import sys
 import threading
 import time
 import types
 import warnings
+import zipfile
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -189,6 +196,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_QUERIES: dict = {}
+
+
+def _is_query(func) -> bool:
+    """An op that neither returns a tensor nor writes one (``prim.device``, ``.item()``): nothing to account.
+
+    C++ asks a fake tensor its device through the dispatcher (``prim.device``):
+    about 12,000 times a bert-large step, six for every op the tracer logs, a
+    seventh of a trace's time when each went through the accounting.
+    """
+    query = _QUERIES.get(func)
+    if query is None:
+        schema = func._schema
+        query = _QUERIES[func] = not any("Tensor" in str(r.type) for r in schema.returns) and not any(
+            a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+    return query
+
+
 class _Tracer(StorageTracker):
     """The storage accounting of `momlab.measure`, on a traced step, with a log of every op.
 
@@ -238,6 +263,8 @@ class _Tracer(StorageTracker):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _is_query(func):
+            return func(*args, **kwargs)
         out = super().__torch_dispatch__(lambda *a, **k: self._run(func, a, k), types, args, kwargs)
         log = self.log
         if log is None or func.is_view:
@@ -245,7 +272,7 @@ class _Tracer(StorageTracker):
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         if not flat_out and not any(a.alias_info is not None and a.alias_info.is_write
                                     for a in func._schema.arguments):
-            return out  # metadata queries
+            return out  # an op whose optional tensors all came back None
         flat_in = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         packet = func._overloadpacket
         flops = extra = 0
@@ -374,12 +401,20 @@ class Profile:
     kernels: str
     lo: Probe
     hi: Probe
-    session: _Session = field(repr=False)
     direct: dict = field(default_factory=dict, repr=False)
+    disk: Path | None = None  # the file the traces were read from; None: traced in this process
+    _session: _Session | None = field(default=None, repr=False)
 
     @property
     def aligned(self) -> bool:
         return _aligned(self.lo, self.hi)
+
+    @property
+    def session(self) -> _Session:
+        """The workload that traced `lo` and `hi`; built now for traces read from disk (a direct trace)."""
+        if self._session is None:
+            self._session = _Session(self.model, self.mom, self.precision, self.size, self.kernels)
+        return self._session
 
     def _lerp(self, a, b, batch):
         b1, b2 = self.lo.batch_size, self.hi.batch_size
@@ -461,23 +496,106 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
     with _LOCK:
         prof = _PROFILES.get(key)
         if prof is None:
-            session = _Session(model, mom, precision, size, kernels)
-            probes = [session.probe(TRACE_BATCHES[0])]
-            for b in TRACE_BATCHES[1:]:
-                probes.append(session.probe(b))
-                if _aligned(probes[-2], probes[-1]):
-                    break
+            disk = _disk_path(model, mom, precision, size, kernels)
+            probes = _load(*disk) if disk is not None else None
+            session = None
+            if probes is None:
+                session = _Session(model, mom, precision, size, kernels)
+                probes = [session.probe(TRACE_BATCHES[0])]
+                for b in TRACE_BATCHES[1:]:
+                    probes.append(session.probe(b))
+                    if _aligned(probes[-2], probes[-1]):
+                        break
+                if disk is not None:
+                    _save(*disk, probes)
             direct = {p.batch_size: p for p in probes[:-2]}
-            prof = Profile(model, mom, precision, size, kernels, probes[-2], probes[-1], session, direct)
+            prof = Profile(model, mom, precision, size, kernels, probes[-2], probes[-1], direct,
+                           disk[0] if session is None else None, session)
             _PROFILES[key] = prof
     return prof
 
 
 def clear_cache() -> None:
-    """Forget every cached trace and calibration."""
+    """Forget every trace and calibration cached in this process (the traces on disk stay)."""
     with _LOCK:
         _PROFILES.clear()
         _CALIBRATIONS.clear()
+
+
+# -- traces on disk ------------------------------------------------------------------------
+
+# where traced profiles are kept between processes (a notebook kernel, the command line); None: nowhere
+TRACE_CACHE: Path | None = ROOT / "build" / "cache" / "traces"
+_DISK_FORMAT = 1
+_SCALARS = ("batch_size", "params_bytes", "optimizer_bytes", "grads_bytes", "forward_live", "forward_host",
+            "seconds")
+_ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops")
+
+
+def _source_digest(package: Path) -> str:
+    """sha256 over every .py file of `package`, names and contents: any edit of momlab changes it."""
+    h = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        h.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+# momlab's source as this process imported it: an edit made after import does not run here, so it must not
+# name this process's traces
+_SOURCE = _source_digest(Path(__file__).resolve().parent)
+
+
+def _disk_key(model: str, mom: str, precision: str, size: dict, kernels: str) -> dict:
+    """Everything a trace depends on: the configuration, the code that runs it (momlab's source, torch and
+    transformers), the interpreter and the CPU architecture (the CPU's kernel choices)."""
+    return {"format": _DISK_FORMAT, "model": model, "mom": mom, "precision": precision,
+            "size": dict(sorted(size.items())), "kernels": kernels, "trace_batches": list(TRACE_BATCHES),
+            "momlab_source": _SOURCE, "torch": torch.__version__, "transformers": version("transformers"),
+            "python": platform.python_version(), "machine": platform.machine()}
+
+
+def _disk_path(model: str, mom: str, precision: str, size: dict, kernels: str) -> tuple[Path, dict] | None:
+    """The file of a configuration's traces and the key it must hold; None when `TRACE_CACHE` is off."""
+    if TRACE_CACHE is None:
+        return None
+    key = _disk_key(model, mom, precision, size, kernels)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return Path(TRACE_CACHE) / f"{model}-{mom}-{precision}-{kernels}-{digest}.npz", key
+
+
+def _save(path: Path, key: dict, probes: list[Probe]) -> None:
+    """Write `probes` to `path` atomically (a reader sees the whole file or none); op ids become names,
+    since `_OP_IDS` numbers ops in the order a process first met them. Unwritable: not kept, no error."""
+    names = {i: name for name, i in _OP_IDS.items()}
+    used = sorted({int(i) for p in probes for i in np.unique(p.ops)})
+    local = np.zeros(max(used, default=0) + 1, dtype=np.int32)
+    local[used] = np.arange(len(used), dtype=np.int32)
+    meta = {"key": key, "op_names": [names[i] for i in used],
+            "probes": [{k: getattr(p, k) for k in _SCALARS} for p in probes]}
+    arrays = {f"{n}.{k}": (local[p.ops] if k == "ops" else getattr(p, k)) for n, p in enumerate(probes)
+              for k in _ARRAYS}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def _load(path: Path, key: dict) -> list[Probe] | None:
+    """The probes saved at `path`, or None when there are none (or the file is not a whole one of this key)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(str(z["meta"]))
+            if meta.get("key") != key:
+                return None
+            ids = np.array([_OP_IDS.setdefault(name, len(_OP_IDS)) for name in meta["op_names"]], dtype=np.int32)
+            return [Probe(**scalars, **{k: (ids[z[f"{n}.ops"]] if k == "ops" else z[f"{n}.{k}"]) for k in _ARRAYS})
+                    for n, scalars in enumerate(meta["probes"])]
+    except (OSError, ValueError, KeyError, IndexError, TypeError, zipfile.BadZipFile):
+        return None
 
 
 # -- time ------------------------------------------------------------------------------------

@@ -13,16 +13,21 @@ import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import momlab.moms
 from momlab import catalog
 from momlab.estimate import (
     TRACE_BATCHES,
     Estimate,
+    Probe,
+    _source_digest,
     calibrate,
+    clear_cache,
     estimate,
     predict_max_batch,
     predict_max_size,
@@ -49,6 +54,12 @@ def _applies(model: str, mom: str) -> bool:
 def _matrix():
     return [pytest.param(model, mom, marks=() if (model, mom) in FAST else (pytest.mark.slow,), id=f"{model}-{mom}")
             for model in MODELS for mom in MOMS]
+
+
+@pytest.fixture(autouse=True)
+def _traced_here(monkeypatch):
+    """Every trace these tests check is made by them: traces on disk from another run would test nothing."""
+    monkeypatch.setattr("momlab.estimate.TRACE_CACHE", None)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -129,6 +140,84 @@ def test_predicted_max_batch_is_within_one_of_the_search(mom):
     predicted = predict_max_batch("bert-base", mom, gpu="cpu", budget=budget, **size)
     assert found.value > 2
     assert abs(predicted - found.value) <= 1, (predicted, found.value, found.tried)
+
+
+def _same_probe(a: Probe, b: Probe, names_a: dict, names_b: dict) -> None:
+    for f in ("batch_size", "params_bytes", "optimizer_bytes", "grads_bytes", "forward_live", "forward_host"):
+        assert getattr(a, f) == getattr(b, f), f
+    for f in ("live", "flops", "extra_flops", "bytes", "fmt"):
+        assert getattr(a, f).dtype == getattr(b, f).dtype and np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert [names_a[i] for i in a.ops] == [names_b[i] for i in b.ops]
+
+
+def test_traces_on_disk_are_the_traces(tmp_path, monkeypatch):
+    """A new process reads a configuration's traces from disk instead of tracing: the same traces, op by op."""
+    import momlab.estimate as module
+
+    monkeypatch.setattr(module, "TRACE_CACHE", tmp_path)
+    size = catalog.tiny("bert-base")
+    clear_cache()
+    traced = profile("bert-base", "ckpt", kernels="cuda", **size)
+    files = list(tmp_path.iterdir())
+    assert traced.disk is None and len(files) == 1 and files[0].name.startswith("bert-base-ckpt-fp32-cuda-")
+    names = {i: n for n, i in module._OP_IDS.items()}
+    clear_cache()
+    monkeypatch.setattr(module, "_OP_IDS", {"aten.an_op_met_first.default": 0})  # a new process's own numbering
+    try:
+        read = profile("bert-base", "ckpt", kernels="cuda", **size)
+        assert read.disk == files[0] and read._session is None  # nothing was built
+        read_names = {i: n for n, i in module._OP_IDS.items()}
+        _same_probe(traced.lo, read.lo, names, read_names)
+        _same_probe(traced.hi, read.hi, names, read_names)
+        assert read.aligned and read.at(7).peak_bytes == traced.at(7).peak_bytes
+        # a batch traced directly builds the workload now, and agrees with the traces read
+        direct = read.at(7, trace=True)
+        assert read._session is not None and np.array_equal(direct.live, read.at(7).live)
+    finally:
+        clear_cache()  # these profiles number ops in the monkeypatched table
+
+
+def test_traces_on_disk_are_keyed_by_what_they_depend_on(tmp_path, monkeypatch):
+    """An edit of momlab, another torch, or a damaged file: traced again, never read."""
+    import momlab.estimate as module
+
+    monkeypatch.setattr(module, "TRACE_CACHE", tmp_path)
+    size = catalog.tiny("bert-base")
+    clear_cache()
+    try:
+        first = profile("bert-base", kernels="cuda", **size)
+        clear_cache()
+        assert profile("bert-base", kernels="cuda", **size).disk is not None
+        monkeypatch.setattr(module, "_SOURCE", "an edited momlab")
+        clear_cache()
+        assert profile("bert-base", kernels="cuda", **size).disk is None
+        monkeypatch.setattr(torch, "__version__", "0.0.0")
+        clear_cache()
+        assert profile("bert-base", kernels="cuda", **size).disk is None
+        assert len(list(tmp_path.glob("*.npz"))) == 3 and not list(tmp_path.glob("*.tmp"))
+        newest = max(tmp_path.glob("*.npz"), key=lambda p: p.stat().st_mtime_ns)
+        newest.write_bytes(newest.read_bytes()[:200])  # a file cut short
+        clear_cache()
+        again = profile("bert-base", kernels="cuda", **size)
+        assert again.disk is None and again.lo.peak_bytes == first.lo.peak_bytes
+        clear_cache()
+        assert profile("bert-base", kernels="cuda", **size).disk == newest  # rewritten whole
+    finally:
+        clear_cache()
+
+
+def test_source_digest_changes_with_any_edit(tmp_path):
+    import momlab.estimate as module
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.py").write_text("y = 2\n")
+    before = _source_digest(tmp_path)
+    (tmp_path / "sub" / "b.py").write_text("y = 3\n")
+    edited = _source_digest(tmp_path)
+    (tmp_path / "c.py").write_text("")
+    assert len({before, edited, _source_digest(tmp_path)}) == 3
+    assert module._SOURCE == _source_digest(Path(module.__file__).parent)
 
 
 def test_max_batch_closed_form_is_the_last_batch_that_fits():
