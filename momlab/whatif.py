@@ -1,11 +1,13 @@
 """What if: a model, a MOM and a GPU we do not have, answered from traces (notebook 06).
 
 Everything here reads `momlab.estimate`'s cached traces: a change of batch
-size, GPU (of the same kernel family) or a MOM already traced redraws in
-milliseconds, without running anything; a new model size, precision or MOM
-traces once (seconds for a real size, under one for a tiny one) and is
-cached from then on. Measured points from results/*.jsonl of the same model,
-size, precision and device are drawn over the predictions.
+size, GPU (of the same kernel family) or a MOM already traced redraws in a
+fifth of a second, without running anything (most of it is matplotlib
+drawing text; the figure and its panels are kept from one update to the
+next); a new model size, precision or MOM traces once (seconds for a real
+size, under one for a tiny one) and is cached from then on, on disk too.
+Measured points from results/*.jsonl of the same model, size, precision and
+device are drawn over the predictions.
 
 `figure()` draws one state; `app()` wraps it in ipywidgets for the notebook.
 """
@@ -18,9 +20,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import matplotlib
 import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure  # not pyplot: no global backend, nothing shown twice in a notebook
+from matplotlib.ticker import FuncFormatter
 
 from momlab import catalog
 from momlab.estimate import (_result_files, batch_grid, calibrate, estimate, predict_max_batch,
@@ -165,12 +168,53 @@ def measured(state: State):
 
 # -- drawing -----------------------------------------------------------------------------------
 
+PNG_DPI = 90  # the widget's image: 990 x 378 pixels
+_PANELS = ("what-if memory", "what-if throughput")
+
+
+def new_figure() -> Figure:
+    """An empty what-if figure with its own Agg canvas, which keeps its renderer from one update to the next
+    (a figure without one gets a new canvas and renderer at every savefig)."""
+    fig = Figure(figsize=(11, 4.2), dpi=PNG_DPI)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _panels(fig: Figure):
+    """The two axes of `fig`, made on its first drawing and emptied on the next ones.
+
+    Kept rather than made anew: new axes make new ticks and tick labels,
+    which cost as much as the rest of an update together.
+    """
+    if [ax.get_label() for ax in fig.axes] != list(_PANELS):
+        fig.clf()
+        gs = fig.add_gridspec(1, 2, width_ratios=[1, 1.5])
+        ax_mem = fig.add_subplot(gs[0], label=_PANELS[0])
+        ax_tp = fig.add_subplot(gs[1], label=_PANELS[1])
+        ax_tp.set_xscale("log", base=2)
+        ax_tp.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 256, not mathtext's 2^8
+        # fixed margins: tight_layout would cost a third of an update
+        fig.subplots_adjust(left=0.06, right=0.985, bottom=0.2, top=0.86, wspace=0.2)
+        return ax_mem, ax_tp
+    for ax in fig.axes:
+        for container in list(ax.containers):
+            container.remove()
+        for artist in [*ax.patches, *ax.lines, *ax.texts, *ax.collections]:
+            artist.remove()
+        if ax.legend_ is not None:
+            ax.legend_.remove()
+        ax.set_xlabel("")
+    return fig.axes
+
+
 def figure(view: View, fig=None):
-    """Memory breakdown at the batch vs the GPU's capacity, and throughput vs batch per MOM."""
+    """Memory breakdown at the batch vs the GPU's capacity, and throughput vs batch per MOM.
+
+    `fig`: a figure of an earlier update to draw into (see `new_figure`).
+    """
     if fig is None:
-        fig = Figure(figsize=(11, 4.2))
-    fig.clf()
-    ax_mem, ax_tp = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1, 1.5]})
+        fig = new_figure()
+    ax_mem, ax_tp = _panels(fig)
     s = view.state
     moms = [m for m in s.moms if m in view.at_batch]
     peaks = [view.at_batch[m].peak_bytes for m in moms]
@@ -199,8 +243,11 @@ def figure(view: View, fig=None):
         ax_mem.text(len(moms) - 0.5 if moms else 0, cap, label, va="bottom", ha="right", fontsize=8)
     ax_mem.set_xticks(x, moms, rotation=20, ha="right", fontsize=8)
     ax_mem.set_ylabel(f"{unit} (predicted peak)")
-    ax_mem.set_title(f"{s.model} at batch {s.batch_size}, {s.precision}", fontsize=10)
+    # titles at a fixed height: placing them above the tick labels measures every label (a fifth of an update)
+    ax_mem.set_title(f"{s.model} at batch {s.batch_size}, {s.precision}", fontsize=10, y=1)
     ax_mem.legend(fontsize=7, loc="upper left")
+    ax_mem.relim()  # the limits of this update's artists only (a kept panel remembers the last ones)
+    ax_mem.autoscale_view()
     ax_mem.set_ylim(0, top or 1)
 
     points = measured(s)
@@ -223,14 +270,13 @@ def figure(view: View, fig=None):
             ax_tp.scatter([r["batch_size"] for r in pts], [r["throughput"] for r in pts], s=24,
                           facecolors="none", edgecolors=c, linewidths=1.3, label=f"{m} measured", zorder=3)
     ax_tp.axvline(s.batch_size, color="grey", ls=":", lw=1)
-    ax_tp.set_xscale("log", base=2)
+    ax_tp.relim()
+    ax_tp.autoscale_view()
     ax_tp.set_xlabel("batch size")
     ax_tp.set_ylabel("samples/s (predicted)" + ("" if view.calibrated else ", uncalibrated"))
-    ax_tp.set_title(_wrap(view.verdict, 70), fontsize=9)
+    ax_tp.set_title(_wrap(view.verdict, 70), fontsize=9, y=1)
     if moms:
         ax_tp.legend(fontsize=7, loc="upper left")
-    # fixed margins: tight_layout would cost a third of an update
-    fig.subplots_adjust(left=0.06, right=0.985, bottom=0.2, top=0.86, wspace=0.2)
     return fig
 
 
@@ -241,8 +287,10 @@ def _wrap(text: str, width: int) -> str:
 
 
 def png(fig) -> bytes:
+    """The widget's image. Least zlib effort: the bytes cross a loopback socket, and compressing them
+    harder cost a tenth of an update."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
+    fig.savefig(buf, format="png", dpi=PNG_DPI, pil_kwargs={"compress_level": 1})
     return buf.getvalue()
 
 
@@ -272,7 +320,7 @@ class App:
 
         self.state = state
         self.figure_path = figure_path
-        self.fig = Figure(figsize=(11, 4.2))
+        self.fig = new_figure()
         self.last_update_s = math.nan
         self._busy = False
         style = {"description_width": "80px"}

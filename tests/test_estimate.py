@@ -402,6 +402,22 @@ def test_whatif_draws_breakdown_and_curves(tmp_path, _no_records):
     assert {line.get_label() for line in tp.lines} >= {"exact", "ckpt", "ckpt-selective"}
 
 
+def test_whatif_redraw_in_place_is_a_new_drawing(_no_records):
+    """An update draws into the last update's figure (what keeps it fast): it shows what a new figure shows."""
+    from dataclasses import replace
+
+    from momlab import whatif
+
+    state = whatif.State("bert-base", "A100-40", "fp32", ("exact", "ckpt", "swap"), 8,
+                         whatif.size_from("bert-base", "tiny"), _no_records)
+    fig = whatif.figure(whatif.compute(state))  # swap's host annotation, three MOMs
+    panels = list(fig.axes)
+    later = whatif.compute(replace(state, moms=("exact", "ckpt"), batch_size=64, gpu="T4"))
+    assert whatif.figure(later, fig) is fig and fig.axes == panels
+    assert len(panels[0].patches) == 5 * 2 and not panels[0].texts
+    assert whatif.png(fig) == whatif.png(whatif.figure(later))
+
+
 def test_size_from_notebook_parameters():
     from momlab import whatif
 
