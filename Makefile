@@ -36,7 +36,13 @@ bench: $(VENV)/.installed ## benchmarks: ratios measured side by side in one run
 lab: $(VENV)/.installed ## open JupyterLab on the notebooks
 	$(VENV)/bin/jupyter lab notebooks/
 
-test-browser: $(VENV)/.installed ## the what-if widgets in headless Chromium (installs chromium)
+# Debian's chromium (apt-get, as root) and the `browser` extra (playwright)
+$(VENV)/.browser: $(VENV)/.installed
+	test -x /usr/bin/chromium || (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium)
+	$(PY) -m pip install -q -e '.[notebooks,test,browser]'
+	touch $@
+
+test-browser: $(VENV)/.browser ## the what-if widgets in headless Chromium (installs chromium and playwright)
 	$(PY) -m pytest -q tests/browser
 
 clean: ## remove build outputs (keeps results/ and figures/)

@@ -343,10 +343,11 @@ class App:
         for widget in (self.gpu, self.precision, self.moms, self.batch):
             widget.observe(self._changed, names="value")
         self.model.observe(self._model_changed, names="value")
-        controls = w.VBox([self.model, self.gpu, self.precision, self.moms, self.batch, self.size_box],
-                          layout=w.Layout(flex="0 0 340px", width="340px"))
-        self.image.layout = w.Layout(width="860px", flex="0 1 860px")
-        self.widget = w.VBox([w.HBox([controls, self.image]), self.verdict, self.status])
+        # controls in columns above the figure: beside it, a notebook's ~1000 pixels cut them off on the left
+        controls = w.HBox([w.VBox([self.model, self.gpu, self.precision, self.batch]), self.moms, self.size_box],
+                          layout=w.Layout(flex_flow="row wrap"))
+        self.image.layout = w.Layout(max_width="100%", height="auto")  # its own 990 pixels where they fit
+        self.widget = w.VBox([controls, self.image, self.verdict, self.status])
         self.update()
 
     def _build_sliders(self):
