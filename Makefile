@@ -8,7 +8,7 @@ NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 export HF_HUB_OFFLINE := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: help venv test test-fast figures bench lab test-browser clean
+.PHONY: help venv test test-all test-fast figures bench lab test-browser clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -22,10 +22,13 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed ## create .venv with the pinned dependencies
 
 test: $(VENV)/.installed ## run the test suite (CPU, tiny configs, notebooks with params/smoke.yaml)
+	$(PY) -m pytest -q --ignore=tests/browser -m "not exhaustive"
+
+test-all: $(VENV)/.installed ## the test suite with the exhaustive model x MOM matrices (about 25 minutes)
 	$(PY) -m pytest -q --ignore=tests/browser
 
 test-fast: $(VENV)/.installed ## the tests not marked slow
-	$(PY) -m pytest -q --ignore=tests/browser -m "not slow"
+	$(PY) -m pytest -q --ignore=tests/browser -m "not slow and not exhaustive"
 
 figures: $(VENV)/.installed ## run every notebook with $(PARAMS): results/ and figures/
 	$(PY) -m momlab.figures $(PARAMS) $(NOTEBOOKS)

@@ -42,7 +42,8 @@ MODELS = catalog.models()
 MOMS = [m for m in momlab.moms.moms() if m != "ckpt-auto"]
 MEMORY = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "workspace_bytes",
           "host_bytes")
-# the fast subset: every model exactly, every MOM on a transformer and a ResNet; the rest is marked slow
+# the subset `make test` runs: every model exactly, every MOM on a transformer and a ResNet; the rest of
+# the matrix (about 10 minutes here) is marked exhaustive: `make test-all`
 FAST = ({(m, "exact") for m in MODELS} | {("bert-base", m) for m in MOMS}
         | {("resnet50", m) for m in ("ckpt", "ckpt-selective", "quant4")})
 
@@ -52,7 +53,7 @@ def _applies(model: str, mom: str) -> bool:
 
 
 def _matrix():
-    return [pytest.param(model, mom, marks=() if (model, mom) in FAST else (pytest.mark.slow,), id=f"{model}-{mom}")
+    return [pytest.param(model, mom, marks=() if (model, mom) in FAST else (pytest.mark.exhaustive,), id=f"{model}-{mom}")
             for model in MODELS for mom in MOMS]
 
 
@@ -93,8 +94,8 @@ def test_traced_memory_equals_measured_on_cpu(model, mom, _no_records):
 @pytest.mark.parametrize("model,mom,precision", [
     ("bert-base", "exact", "bf16"), ("bert-base", "ckpt", "fp16"), ("gpt2", "quant4", "bf16"),
     ("resnet50", "exact", "bf16"),  # batch norm statistics stay fp32 (meta kernels say bf16)
-    pytest.param("swin-tiny", "swap", "fp16", marks=pytest.mark.slow),  # layer norm statistics, GradScaler
-    pytest.param("vit-base", "ckpt-selective", "bf16", marks=pytest.mark.slow),
+    pytest.param("swin-tiny", "swap", "fp16", marks=pytest.mark.exhaustive),  # layer norm statistics, GradScaler
+    pytest.param("vit-base", "ckpt-selective", "bf16", marks=pytest.mark.exhaustive),
 ])
 def test_mixed_precision_traces_cpu_autocast(model, mom, precision, _no_records):
     """bf16/fp16: fake CPU weights get CPU autocast, so the trace is the measured mixed-precision step."""
