@@ -602,12 +602,18 @@ def gpu_count(df: pd.DataFrame, *, moms: list[str] | None = None,
     return fig
 
 
-def compare_table(ours_s1: pd.DataFrame, paper_s1: pd.DataFrame) -> pd.DataFrame:
+def compare_table(ours_s1: pd.DataFrame, paper_s1: pd.DataFrame, *, stand_ins: dict | None = None) -> pd.DataFrame:
     """Our S1 beside the paper's, per (model, mom): ratio (max throughput over
     exact's), max batch and max throughput of each, and ``same_verdict``
     (both ratios on the same side of 1). Takes ``metrics.s1_summary`` or
     ``reference.paper_s1`` tables (ratios computed if absent); ours must hold
-    one configuration per (model, mom). Rows only one side has stay, with NaN."""
+    one configuration per (model, mom). Rows only one side has stay, with NaN.
+
+    `stand_ins` maps one of our models to the paper's model it stands in for
+    (a CPU run scales bert-large down to a small bert-base): its rows are
+    compared with that model's, and ``model_ours`` says what we ran."""
+    stand_ins = dict(stand_ins or {})
+    ours_s1 = ours_s1.assign(model_ours=ours_s1["model"], model=ours_s1["model"].map(lambda m: stand_ins.get(m, m)))
     def norm(t: pd.DataFrame, name: str) -> pd.DataFrame:
         t = t.copy()
         dup = t.duplicated(["model", "mom"], keep=False)
@@ -619,7 +625,7 @@ def compare_table(ours_s1: pd.DataFrame, paper_s1: pd.DataFrame) -> pd.DataFrame
             exact = t[t["mom"] == "exact"].set_index("model")["max_throughput"]
             t["ratio"] = t["max_throughput"] / t["model"].map(exact)
         cols = ["ratio", "max_batch_size", "max_throughput"]
-        return t[["model", "mom"] + [c for c in cols if c in t.columns]] \
+        return t[["model", "mom"] + [c for c in [*cols, "model_ours"] if c in t.columns]] \
             .rename(columns={c: f"{c}_{name}" for c in cols})
     out = norm(ours_s1, "ours").merge(norm(paper_s1, "paper"), on=["model", "mom"], how="outer")
     verdict = [pd.NA if pd.isna(a) or pd.isna(b) else bool((a > 1) == (b > 1))
@@ -629,7 +635,7 @@ def compare_table(ours_s1: pd.DataFrame, paper_s1: pd.DataFrame) -> pd.DataFrame
     moms = _moms_in_order(out["mom"])
     out = out.assign(_m=out["model"].map(models.index), _k=out["mom"].map(moms.index)) \
         .sort_values(["_m", "_k"]).drop(columns=["_m", "_k"]).reset_index(drop=True)
-    order = ["model", "mom", "ratio_ours", "ratio_paper", "same_verdict"]
+    order = ["model", "model_ours", "mom", "ratio_ours", "ratio_paper", "same_verdict"]
     return out[order + [c for c in out.columns if c not in order]]
 
 

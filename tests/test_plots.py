@@ -243,6 +243,12 @@ def test_compare_table_side_by_side():
         table.set_index(["model", "mom"]).loc[("resnet50", "exact"), "ratio_ours"]
     with pytest.raises(ValueError, match="one configuration"):
         plots.compare_table(pd.concat([ours, ours]), paper_s1())
+    # a scaled-down stand-in is compared with the paper's model it stands for, and says so
+    small = ours.assign(model="bert-base")
+    stood = plots.compare_table(small, paper_s1(), stand_ins={"bert-base": "bert-large"}).set_index(["model", "mom"])
+    assert stood.loc[("bert-large", "ckpt"), "model_ours"] == "bert-base"
+    assert stood.loc[("bert-large", "ckpt"), "ratio_paper"] == pytest.approx(139.05 / 163.95)
+    assert "bert-base" not in stood.index.get_level_values("model")
 
 
 def test_paper_batch_curves_mark_the_paper_ooms():
