@@ -62,30 +62,25 @@ class CudaMemory:
         self.device = device
         self.budget = budget
 
-    @contextmanager
     def capped(self):
-        if self.budget is None:
-            yield
-            return
-        total = total_memory(self.device)
-        torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
-        try:
-            yield
-        finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        """The budget as the allocator's per-process memory fraction (no cap without a budget)."""
+        return self._fraction(lambda total: min(1.0, self.budget / total), lambda total: 1.0)
+
+    def uncapped(self):
+        """The whole device inside `capped`, for a step the budget must not cut (ckpt-auto's costs)."""
+        return self._fraction(lambda total: 1.0, lambda total: min(1.0, self.budget / total))
 
     @contextmanager
-    def uncapped(self):
-        """The whole device, for a step that must not be cut by the budget (ckpt-auto's costs)."""
+    def _fraction(self, inside, after):
         if self.budget is None:
             yield
             return
         total = total_memory(self.device)
-        torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        torch.cuda.set_per_process_memory_fraction(inside(total), self.device)
         try:
             yield
         finally:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, self.budget / total), self.device)
+            torch.cuda.set_per_process_memory_fraction(after(total), self.device)
 
     def allocated(self) -> int:
         return torch.cuda.memory_allocated(self.device)

@@ -210,17 +210,15 @@ def _probe_step(w: Workload, meter) -> tuple[int, _Probe]:
 
 def _try(w: Workload, run: Callable):
     """`run()`, or None if it ran out of memory (the step's partial state is dropped)."""
-    failed = False
     try:
         return run()
     except Exception as exc:  # noqa: BLE001 - only OOM is an answer here
         if not is_oom(exc):
             raise
-        failed = True
-    if failed:  # outside the except block: the traceback and the tensors it holds are gone
-        w.optimizer.zero_grad(set_to_none=True)
-        gc.collect()
-        empty_cache(w.device)
+    # outside the except block: the traceback and the tensors it holds are gone
+    w.optimizer.zero_grad(set_to_none=True)
+    gc.collect()
+    empty_cache(w.device)
     return None
 
 
