@@ -8,7 +8,7 @@ NOTEBOOKS := $(sort $(wildcard notebooks/[0-9]*.ipynb))
 export HF_HUB_OFFLINE := 1
 export PYTHONHASHSEED := 0
 
-.PHONY: help venv test test-all test-fast figures bench lab test-browser clean
+.PHONY: help venv test test-all test-fast figures bench lab test-browser gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-13s %s\n", $$1, $$2}'
@@ -47,6 +47,12 @@ $(VENV)/.browser: $(VENV)/.installed
 
 test-browser: $(VENV)/.browser ## the what-if widgets in headless Chromium (installs chromium and playwright)
 	$(PY) -m pytest -q tests/browser
+
+# On a GPU machine as it comes: its own python3 (torch, transformers, pandas, pyyaml), no venv, no
+# network. Evidence (at most 8 files) goes to $(OUT): the device tool's output folder, else build/gpu-check.
+OUT ?= build/gpu-check
+gpu-check: ## prove every CUDA path on this machine's GPU in one run (< 8 min); evidence in $(OUT)
+	$(PYTHON) -m momlab gpu-check $(OUT)
 
 clean: ## remove build outputs (keeps results/ and figures/)
 	rm -rf build .pytest_cache

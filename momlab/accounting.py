@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from momlab.errors import OutOfMemory
+from momlab.errors import HostOutOfMemory, OutOfMemory
 
 _state = threading.local()
 
@@ -76,9 +76,11 @@ class StorageTracker(TorchDispatchMode):
     1024
     """
 
-    def __init__(self, budget: int | None = None, devices: tuple[str, ...] = ("cpu", "meta")):
+    def __init__(self, budget: int | None = None, devices: tuple[str, ...] = ("cpu", "meta"),
+                 host_budget: int | None = None):
         super().__init__()
         self.budget = budget
+        self.host_budget = host_budget  # what host copies (swap) may hold; beyond it HostOutOfMemory
         self.devices = devices
         self._live: dict[int, list] = {}  # key -> [nbytes, is_host, weakref]
         self.device_bytes = 0
@@ -130,6 +132,11 @@ class StorageTracker(TorchDispatchMode):
         if host:
             self.host_bytes += nbytes
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+            if check and self.enforce and self.host_budget is not None and self.host_bytes > self.host_budget:
+                raise HostOutOfMemory(
+                    f"host memory out of memory: {self.host_bytes} bytes of host copies after an allocation "
+                    f"of {nbytes}, host limit {self.host_budget}",
+                    requested=nbytes, live=self.host_bytes, budget=self.host_budget)
             return
         self.device_bytes += nbytes
         if self.device_bytes > self.peak_bytes:
@@ -171,5 +178,5 @@ class StorageTracker(TorchDispatchMode):
         flat, _ = tree_flatten(out)
         for t in flat:
             if isinstance(t, torch.Tensor):
-                self._register(t, host=host, check=not host)
+                self._register(t, host=host, check=True)
         return out

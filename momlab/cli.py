@@ -58,6 +58,12 @@ def cmd_measure(args) -> int:
     return 0
 
 
+def cmd_gpu_check(args) -> int:
+    from momlab.gpucheck import main
+
+    return main(args)
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m momlab", description="momlab: evaluate memory optimization methods")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -75,6 +81,16 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true")
     add_size_flags(m)
     m.set_defaults(func=cmd_measure)
+
+    g = sub.add_parser("gpu-check", help="prove every CUDA path on this GPU in one run (evidence into OUT)")
+    g.add_argument("out", help="folder for the evidence (at most 8 files)")
+    g.add_argument("--device", default="cuda")
+    g.add_argument("--dry-run", action="store_true", help="the same phases at tiny sizes (CPU tests)")
+    g.add_argument("--time-limit", type=float, default=450.0,
+                   help="seconds for all phases (default 450: with start-up, within 8 minutes)")
+    g.add_argument("--phases", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="comma-separated phase numbers to run (default: all)")
+    g.set_defaults(func=cmd_gpu_check)
 
     for extend in _extensions():
         extend(sub)

@@ -82,7 +82,7 @@ import tempfile
 import time
 import traceback
 import weakref
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from multiprocessing.connection import wait as wait_for
 from pathlib import Path
 
@@ -460,14 +460,20 @@ class _Rank:
             gc.collect()
             tracker.reset_peak()
             probe = _RankProbe(self, lambda: tracker.device_bytes, lambda: tracker.host_bytes, tracker.tracked_bytes)
-            with FlopCounterMode(display=False) as flops:
-                self.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
+            self.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
             peak = tracker.peak_bytes
             state = w.state_tensors()
             out = probe.breakdown(peak, tracker.tracked_bytes(state["params"]),
                                   tracker.tracked_bytes(state["optimizer"]))
-        out.update(flops=flops.get_total_flops(), memory_source="cpu-emulated")
+        out.update(flops=self._count_flops(), memory_source="cpu-emulated")
         return out
+
+    def _count_flops(self, room=None) -> int:
+        """FLOPs in a step of their own, outside the measured one and the budget (as `measure` counts them)."""
+        with room if room is not None else nullcontext():
+            with FlopCounterMode(display=False) as flops:
+                self.step()
+        return int(flops.get_total_flops())
 
     def _measure_cuda(self, warmup: int) -> dict:
         mem = CudaMemory(self.device, self.cfg["budget"])
@@ -486,12 +492,14 @@ class _Rank:
                 return local_bytes(t for t in local_tensors(tensors) if t.device.type == "cuda")
 
             probe = _RankProbe(self, mem.allocated, lambda: host.host_bytes + self._offloaded_bytes(), device_bytes)
-            with host, FlopCounterMode(display=False) as flops:
+            with host:
                 self.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
             synchronize(self.device)
             state = w.state_tensors()
             out = probe.breakdown(mem.peak(), device_bytes(state["params"]), device_bytes(state["optimizer"]))
-        out.update(flops=flops.get_total_flops(), memory_source="cuda")
+            peaks = mem.peaks()
+            out.update(flops=self._count_flops(mem.uncapped()), memory_source="cuda",
+                       active_peak_bytes=peaks["active"], reserved_peak_bytes=peaks["reserved"])
         return out
 
     def _warm_up(self, steps: int, capture) -> None:
@@ -834,7 +842,9 @@ def _combine(base: dict, ranks: int, results: dict[int, dict], options: dict) ->
                "losses": losses, "warmup_steps": per_rank[0]["warmup_steps"],
                "per_rank": [{"rank": i, **{k: r[k] for k in (*RANK_FIELDS, "flops")},
                              "step_times_s": list(r["step_times_s"])} for i, r in enumerate(per_rank)]}
-    return Measurement(**base, fits=True, **memory, step_time_s=step_time,
+    allocator = {k: max(r[k] for r in per_rank) for k in ("active_peak_bytes", "reserved_peak_bytes")
+                 if k in per_rank[0]}  # CUDA ranks only
+    return Measurement(**base, fits=True, **memory, **allocator, step_time_s=step_time,
                        throughput=ranks * base["batch_size"] / step_time,
                        flops=max(r["flops"] for r in per_rank), memory_source=per_rank[0]["memory_source"],
                        step_times_s=tuple(times), options=options)

@@ -20,6 +20,15 @@ class OutOfMemory(RuntimeError):
         self.live = live
         self.budget = budget
 
+    where = "device"
+
+
+class HostOutOfMemory(OutOfMemory):
+    """A MOM's host-side copies (swap) would exceed the host memory allowed them: the step does not fit
+    this machine, whatever the device holds (`where` tells the two apart in a record)."""
+
+    where = "host"
+
 
 def check_choice(kind: str, value, valid: Iterable) -> None:
     """Raise ValueError naming the valid choices when `value` is not one of them."""

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from momlab.device import meminfo
 from momlab.errors import check_choice
 
 GiB = 2 ** 30
@@ -139,8 +140,10 @@ _CATALOG: dict[str, Gpu] = {g.name: g for g in (
     Gpu("H100-80", 80 * GiB, _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 3350 * GB_S, "PCIe gen5 x16",
         PCIE[5], patterns=(r"H100.*80\s*GB", r"H100 SXM"), source="NVIDIA H100 datasheet (SXM5)"),
     # NVIDIA H200 datasheet (SXM): same compute as H100 SXM (FP32 67, TF32 989*, BF16/FP16 1,979*
-    # TFLOPS, * with sparsity), HBM3e 141 GB at 4.8 TB/s, PCIe gen5 x16 to the host.
-    Gpu("H200-141", 141 * GiB, _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 4800 * GB_S,
+    # TFLOPS, * with sparsity), HBM3e "141 GB" at 4.8 TB/s, PCIe gen5 x16 to the host. Capacity as
+    # the card reports it: nvidia-smi read 143771 MiB on this workplace's H200s (2026-10-27, driver
+    # 580.159); the datasheet's rounded "141 GB" read as GiB overstated it by 0.6 GiB.
+    Gpu("H200-141", 143771 * (1 << 20), _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 4800 * GB_S,
         "PCIe gen5 x16", PCIE[5], patterns=(r"H200",), source="NVIDIA H200 datasheet (SXM)"),
     # NVIDIA Ada Lovelace architecture whitepaper (v1.1), GeForce RTX 4090: FP32 82.6 TFLOPS; tensor
     # FP16 and BF16 with FP32 accumulate (what PyTorch uses) 165.2 dense, TF32 82.6 dense;
@@ -220,14 +223,7 @@ def cpu_peaks(threads: int | None = None) -> CpuPeaks:
 
 
 def _memory_total() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return meminfo("MemTotal")
 
 
 def cpu() -> Gpu:

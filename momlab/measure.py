@@ -18,11 +18,12 @@ says ``fits=False`` and the memory that was live when it happened.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import statistics
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable
 
 import torch
@@ -30,7 +31,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from momlab import catalog
 from momlab.accounting import StorageTracker, unique_storage_bytes
-from momlab.device import CudaMemory, check_device, empty_cache, is_oom, synchronize, total_memory
+from momlab.device import CudaMemory, check_device, empty_cache, host_limit, is_oom, oom_where, synchronize
 from momlab.errors import OutOfMemory, check_choice
 from momlab.moms import auto
 from momlab.provenance import environment
@@ -88,6 +89,7 @@ def measure(model: str, mom: str = "exact", *, batch_size: int, device: str = "c
 
 
 def _unfit(base: dict, live: int, error: str, memory_source: str, options: dict | None = None) -> Measurement:
+    """`error`'s out-of-memory as data; `options["oom"]` says whether device or host memory ran out."""
     nan = math.nan
     return Measurement(**base, fits=False, peak_bytes=live, params_bytes=0, grads_bytes=0, optimizer_bytes=0,
                        activation_bytes=0, workspace_bytes=0, host_bytes=0, step_time_s=nan, throughput=nan,
@@ -110,12 +112,15 @@ def _breakdown(base, w: Workload, peak: int, bytes_of, probe: _Probe, flops: int
     )
 
 
-def _count_flops(w: Workload) -> int:
+def count_flops(w: Workload, room=None) -> int:
     """FLOPs of one step, counted by FlopCounterMode in a step of its own: its
     module tracking keeps checkpoint-recomputed tensors alive, so it must not
-    run in the step whose memory is measured (checkpointing's peak rose 40%)."""
-    with FlopCounterMode(display=False) as counter:
-        w.step()
+    run in the step whose memory is measured (checkpointing's peak rose 40%),
+    nor under the budget (`room`: a context that lifts it, e.g. the CUDA
+    cap's `uncapped`): a step that fits would be recorded as not fitting."""
+    with room if room is not None else nullcontext():
+        with FlopCounterMode(display=False) as counter:
+            w.step()
     return int(counter.get_total_flops())
 
 
@@ -177,7 +182,7 @@ class _CudaMeter:
 
     def __init__(self, mem: CudaMemory, host: StorageTracker):
         self.mem, self.host_tracker = mem, host
-        self.capacity = mem.budget if mem.budget is not None else total_memory(mem.device)
+        self.capacity = mem.capacity  # what the allocator may hold: the budget less the CUDA context
 
     def live(self) -> int:
         return self.mem.allocated()
@@ -216,7 +221,7 @@ def _try(w: Workload, run: Callable):
         if not is_oom(exc):
             raise
     # outside the except block: the traceback and the tensors it holds are gone
-    w.optimizer.zero_grad(set_to_none=True)
+    w.recover()
     gc.collect()
     empty_cache(w.device)
     return None
@@ -285,8 +290,14 @@ def _plan_checkpoints(w: Workload, meter, warmup: int) -> tuple[int, _Probe]:
     return probes[best]
 
 
+def _oom_record(base, exc, live: int, w, memory_source: str) -> Measurement:
+    options = dict(w.options) if w is not None else {}
+    options["oom"] = oom_where(exc)
+    return _unfit(base, live, str(exc).splitlines()[0], memory_source, options)
+
+
 def _measure_emulated(base, dev, budget, steps, warmup, seed) -> Measurement:
-    tracker = StorageTracker(budget=budget)
+    tracker = StorageTracker(budget=budget, host_budget=host_limit())
     w = None
     try:
         w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
@@ -295,43 +306,52 @@ def _measure_emulated(base, dev, budget, steps, warmup, seed) -> Measurement:
             tracker.track(w.state_tensors()["params"])
             tracker.check_budget()
             peak, probe = _warm_probe(w, _EmulatedMeter(tracker), warmup)
-        flops = _count_flops(w)
+        flops = count_flops(w)
         times = _timed_steps(w, steps)
+        _record_compile(w)
         return _breakdown(base, w, peak, unique_storage_bytes, probe, flops, times,
                           "cpu-emulated")
     except Exception as exc:  # noqa: BLE001 - only OOM is data; everything else propagates
         if not is_oom(exc):
             raise
-        live = exc.live if isinstance(exc, OutOfMemory) else tracker.device_bytes
-        error = str(exc).splitlines()[0]
-        options = dict(w.options) if w is not None else {}
+        live = exc.live if isinstance(exc, OutOfMemory) and oom_where(exc) == "device" else tracker.device_bytes
+        record = _oom_record(base, exc, live, w, "cpu-emulated")
     # outside the except block: the traceback (and the tensors it holds) is gone
     w = None
     empty_cache(dev)
-    return _unfit(base, live, error, "cpu-emulated", options)
+    return record
+
+
+def _record_compile(w: Workload) -> None:
+    """Quantization's torch.compile state into the record (a GPU run must show it compiled)."""
+    state = w.handle.compile_state() if w.handle is not None else None
+    if state:
+        w.options["quant_compile"] = state
 
 
 def _measure_cuda(base, dev, budget, steps, warmup, seed) -> Measurement:
-    mem = CudaMemory(dev, budget)
     empty_cache(dev)
+    mem = CudaMemory(dev, budget)
     w = None
     try:
         with mem.capped():
             w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
                       precision=base["precision"], seed=seed, **base["size"])
-            # a tracker on the host side counts what a MOM keeps in host memory (swap)
-            host = StorageTracker(devices=("cpu",))
+            # a tracker on the host side counts what a MOM keeps in host memory (swap), bounded by the host
+            host = StorageTracker(devices=("cpu",), host_budget=host_limit())
             with host:
                 peak, probe = _warm_probe(w, _CudaMeter(mem, host), warmup)
-            flops = _count_flops(w)
+            peaks = mem.peaks()
+            flops = count_flops(w, mem.uncapped())
             times = _timed_steps(w, steps)
-        return _breakdown(base, w, peak, unique_storage_bytes, probe, flops, times, "cuda")
+        _record_compile(w)
+        w.options["cuda_memory"] = peaks
+        m = _breakdown(base, w, peak, unique_storage_bytes, probe, flops, times, "cuda")
+        return dataclasses.replace(m, active_peak_bytes=peaks["active"], reserved_peak_bytes=peaks["reserved"])
     except Exception as exc:  # noqa: BLE001
         if not is_oom(exc):
             raise
-        live = torch.cuda.memory_allocated(dev)
-        error = str(exc).splitlines()[0]
-        options = dict(w.options) if w is not None else {}
+        record = _oom_record(base, exc, torch.cuda.memory_allocated(dev), w, "cuda")
     w = None
     empty_cache(dev)
-    return _unfit(base, live, error, "cuda", options)
+    return record

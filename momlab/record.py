@@ -41,6 +41,14 @@ class Measurement:
     are the floating-point operations of one step counted by
     ``torch.utils.flop_counter.FlopCounterMode`` (recomputation included).
 
+    CUDA records also keep the allocator's other peaks of the probe step:
+    ``active_peak_bytes`` (allocated plus blocks still in use by another
+    stream, such as swap's copies) and ``reserved_peak_bytes`` (segments held
+    from the driver: what a budget caps and what a real card runs out of);
+    None on the emulated device, which has no allocator.
+    ``options["cuda_memory"]`` adds the bytes held outside the allocator (the
+    CUDA context), the allocator configuration and pinned host memory.
+
     ``fits`` is False when the step ran out of memory (a real device OOM or the
     budget exceeded); then memory fields hold what was known at the failure
     (``peak_bytes`` the allocation that failed) and timings are NaN.
@@ -70,6 +78,8 @@ class Measurement:
     error: str | None = None
     options: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
+    active_peak_bytes: int | None = None
+    reserved_peak_bytes: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

@@ -248,7 +248,9 @@ def measure_in_fresh_process(fn: Callable[..., Measurement], /, **kwargs) -> Mea
     """
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(send, fn, kwargs), daemon=True)
+    # not daemonic: a daemonic process may not start children, and a trial on several ranks starts them;
+    # the finally clause stops it instead if this process is interrupted
+    proc = ctx.Process(target=_child, args=(send, fn, kwargs), daemon=False)
     proc.start()
     send.close()
     try:
@@ -259,6 +261,10 @@ def measure_in_fresh_process(fn: Callable[..., Measurement], /, **kwargs) -> Mea
                            f"arguments: {kwargs}") from None
     finally:
         receive.close()
+        if proc.is_alive() and proc.exitcode is None:
+            proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
     proc.join()
     if status == "error":
         raise payload

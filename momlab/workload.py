@@ -97,6 +97,21 @@ class Workload:
             return float("nan")
         return loss.detach().float().item()
 
+    def recover(self) -> None:
+        """Make the workload steppable again after an out-of-memory inside a step.
+
+        Drops the failed step's gradients, and replaces fp16's GradScaler by a
+        fresh one with the same scale and growth state: an OOM inside
+        ``scaler.step`` leaves its per-optimizer state saying "already
+        unscaled", and the next step would then raise (or skip) instead of
+        training.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is not None:
+            fresh = torch.amp.GradScaler(self.device.type)
+            fresh.load_state_dict(self.scaler.state_dict())
+            self.scaler = fresh
+
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The resident tensors by category: params (with buffers), grads, optimizer."""
         params = list(self.model.parameters()) + list(self.model.buffers())

@@ -128,6 +128,13 @@ class MomHandle:
         self._wrappers = ckpt.wrap(self.module, [self.blocks[i] for i in chosen])
         self.checkpointed = tuple(chosen)
 
+    def compile_state(self) -> dict | None:
+        """Quantization's torch.compile state per device kind (None without quantization)."""
+        for stage in self.hooks.stages if self.hooks is not None else ():
+            if hasattr(stage, "compile_state"):
+                return stage.compile_state()
+        return None
+
     def context(self):
         if self.hooks is None:
             return nullcontext()
@@ -221,7 +228,30 @@ def compose(module: nn.Module, parts: tuple[str, ...], blocks: list[nn.Module], 
 
         handle._handles.append(module.register_forward_pre_hook(enter))
         handle._handles.append(module.register_forward_hook(leave, always_call=True))
+        if any(getattr(stage, "lossy", False) for stage in stages):
+            handle._handles += _watch_attention(module, handle.hooks)
     return handle
+
+
+def attention_modules(module: nn.Module) -> list[nn.Module]:
+    """The innermost submodules whose class name ends in 'Attention' (where the attention kernel runs)."""
+    found = [m for m in module.modules() if type(m).__name__.endswith("Attention")]
+    ids = {id(m) for m in found}
+    return [m for m in found if not any(id(d) in ids for d in m.modules() if d is not m)]
+
+
+def _watch_attention(module: nn.Module, hooks: "_SavedTensors") -> list:
+    def enter(mod, args):
+        hooks.attention_depth += 1
+
+    def leave(mod, args, output):
+        hooks.attention_depth -= 1
+
+    out = []
+    for m in attention_modules(module):
+        out.append(m.register_forward_pre_hook(enter))
+        out.append(m.register_forward_hook(leave, always_call=True))
+    return out
 
 
 class _SavedTensors:
@@ -235,9 +265,17 @@ class _SavedTensors:
         self._state_refs = [*module.parameters(), *module.buffers()]  # keeps those keys valid
         self._cache: dict[int, dict] = {}  # storage key -> {layout: packed}, this forward pass
         self._watched: set[int] = set()  # storage keys with a finalizer
+        self.attention_depth = 0  # > 0 inside an attention module's forward (see `attention_modules`)
 
     def pack(self, x: torch.Tensor):
         state = self._is_state(x)
+        # fused attention's fp32 log-sum-exp (B, heads, L) is a per-row softmax
+        # statistic: an error in it would bias every attention probability that
+        # backward rebuilds from it, so lossy stages (quantization) leave it
+        # exact. It is the one 3-D floating tensor an attention module saves
+        # that does not require grad (its inputs do; its 4-D outputs are others)
+        exact = (self.attention_depth > 0 and x.dim() == 3 and x.is_floating_point()
+                 and not x.requires_grad)
         # detached: holding a saved output together with its grad_fn would
         # make a reference cycle (autograd avoids it for its own saves)
         x = x.detach()
@@ -255,7 +293,8 @@ class _SavedTensors:
         else:
             h = target
             for stage in self.stages:
-                h = stage.pack(h)
+                if not (exact and getattr(stage, "lossy", False)):
+                    h = stage.pack(h)
             if key is not None and h is not target:  # caching x itself would keep it alive
                 storage, layout = key
                 self._cache.setdefault(storage, {})[layout] = h

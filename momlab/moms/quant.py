@@ -19,6 +19,11 @@ Which saved tensors are packed:
 - per-row statistics (a last dimension of 1, e.g. layer norm's mean and rstd)
   stay exact: they are 1/hidden of an activation, so keeping them costs
   almost nothing, and an error in one scales a whole row;
+- floating tensors saved without requiring grad stay exact (decided in
+  ``momlab.moms.compose``, which sees them before they are detached): fused
+  attention's fp32 log-sum-exp (a per-row statistic whose last dimension is
+  not 1; an error in it biases every attention probability backward rebuilds
+  from it) and the input data;
 - integer tensors (indices) and tiny tensors stay as they are (a tiny view of
   a large tensor is stored as a compact copy, so it does not pin the rest).
 Model parameters and buffers are never packed: that is decided outside this
@@ -39,6 +44,10 @@ import warnings
 from typing import NamedTuple
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.utils._python_dispatch import _disable_current_modes
+
+from momlab.device import is_oom
 
 __all__ = ["BITS", "GROUP_SIZE", "MIN_NUMEL", "Packed", "Quantizer", "dequantize", "pack_mask", "packed_bytes",
            "quantize"]
@@ -190,6 +199,8 @@ class Quantizer:
     tensor(True)
     """
 
+    lossy = True  # momlab.moms.compose keeps statistics exact from lossy stages
+
     def __init__(self, bits: int, *, min_numel: int = MIN_NUMEL, seed: int = 0, compile: bool | None = None):
         if bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
@@ -230,6 +241,11 @@ class Quantizer:
             self._generators[device] = gen
         return self._generators[device]
 
+    def compile_state(self) -> dict:
+        """Per device kind: whether encode and decode ran compiled ("compiled", "not run", "failed: ...")."""
+        return {kind: {"encode": getattr(enc, "state", "plain"), "decode": getattr(dec, "state", "plain")}
+                for kind, (enc, dec) in self._programs.items()}
+
     def _program(self, device: torch.device) -> tuple:
         kind = device.type
         if kind not in self._programs:
@@ -242,18 +258,38 @@ class Quantizer:
 
 
 class _Compiled:
-    """`fn` through torch.compile; if compiling fails, say so once and run `fn` as it is."""
+    """`fn` through torch.compile (one full graph); if compiling fails, say so once and run `fn` as it is.
+
+    The compiled program runs outside any TorchDispatchMode: Dynamo refuses a
+    frame called under a non-infra dispatch mode (momlab's storage accounting
+    is one) and would run it eagerly, so a measured step would never compile.
+    The mode only loses sight of the program's own outputs, which the caller
+    copies into buffers allocated under it at once (a fused kernel's
+    temporaries, which the CUDA allocator sees and a host tracker does not
+    care about). An out-of-memory while compiling or running is the step's
+    answer and propagates; any other failure turns compiling off. `state`
+    says which happened: "not run", "compiled", or "failed: ...".
+    """
 
     def __init__(self, fn):
         self.fn = fn
-        self.compiled = torch.compile(fn, dynamic=True)
+        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        self.state = "not run"
 
     def __call__(self, *args):
-        if self.compiled is not None:
-            try:
-                return self.compiled(*args)
-            except Exception as e:  # no compiler toolchain on this machine (e.g. triton missing)
-                warnings.warn(f"quant: torch.compile of {self.fn.__name__} failed ({e!r}); "
-                              "using the plain ops", stacklevel=2)
-                self.compiled = None
+        if self.compiled is None or any(
+                isinstance(a, torch.Tensor) and (is_fake(a) or a.device.type == "meta") for a in args):
+            return self.fn(*args)  # a trace (momlab.estimate): nothing to run
+        try:
+            with _disable_current_modes():
+                out = self.compiled(*args)
+            self.state = "compiled"
+            return out
+        except Exception as e:  # noqa: BLE001 - no compiler toolchain on this machine (e.g. triton missing)
+            if is_oom(e):
+                raise
+            warnings.warn(f"quant: torch.compile of {self.fn.__name__} failed ({e!r}); "
+                          "using the plain ops", stacklevel=2)
+            self.compiled = None
+            self.state = f"failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         return self.fn(*args)

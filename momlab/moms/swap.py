@@ -17,6 +17,11 @@ autograd asks for it). On a CPU "device" the host copy is a copy made inside
 ``momlab.accounting.host_allocation()``, so the emulated accounting moves its
 bytes to the host account; the copy back is a new device-account copy.
 
+Host memory is bounded: the tracker that counts host bytes raises
+`HostOutOfMemory` past `momlab.device.host_limit()`, and a failed pinned
+allocation is reported the same way, so a search records "host out of
+memory" instead of exhausting the machine or blaming the device.
+
 Model parameters and buffers are never swapped (they stay resident anyway):
 that is decided outside this module (``momlab.moms.compose``).
 
@@ -34,6 +39,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from momlab.accounting import host_allocation
+from momlab.device import is_oom
+from momlab.errors import HostOutOfMemory
 
 __all__ = ["Swapper"]
 
@@ -111,7 +118,14 @@ class Swapper:
         # the copy must not start before the compute stream has produced x
         stream.wait_stream(torch.cuda.current_stream(x.device))
         with host_allocation():
-            host = torch.empty_like(x, device="cpu", pin_memory=True)
+            try:
+                host = torch.empty_like(x, device="cpu", pin_memory=True)
+            except RuntimeError as e:
+                # cudaHostAlloc failing is the host running out, not the device
+                if not is_oom(e):
+                    raise
+                raise HostOutOfMemory(f"pinned host memory for swap exhausted ({x.nbytes} bytes asked): "
+                                      f"{str(e).splitlines()[0]}", requested=x.nbytes) from None
         with torch.cuda.stream(stream):
             host.copy_(x, non_blocking=True)
             stored = torch.cuda.Event()

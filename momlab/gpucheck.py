@@ -1,0 +1,416 @@
+"""`make gpu-check`: one command that proves (or disproves) every CUDA path on a GPU machine as it comes.
+
+A GPU may be lent for minutes, so the check is one prepared run whose output
+settles every question, cheapest phase first, each phase time-boxed, every
+result written the moment it exists (a timeout or a kill loses only the
+phase in flight). It needs only what such a machine has: torch, transformers,
+pandas, pyyaml (no papermill, no jupyter, no network).
+
+Phases (``--dry-run --device cpu`` runs the same phases at tiny sizes, so the
+script itself is tested on every `make test`):
+
+1. environment: versions, device, allocator facts (context outside the
+   allocator, configuration), an indexed device accepted by the cap.
+2. tiny: every MOM (and the paper's combinations) on tiny models under a
+   1 GiB budget in fp32/fp16/bf16: fits, allocated and reserved peaks at
+   most the budget, device memory back to its baseline after each,
+   quantization compiled.
+3. bert-large fp16 at batch 32 under 16 GiB with every MOM: the breakdown,
+   the three peaks, host memory, step time.
+4. OOM and leaks: a batch that must not fit comes back ``fits=False``; the
+   first measurement of phase 3 repeated gives the same memory, to the byte.
+5. ckpt-auto at a batch exact cannot fit: it fits, peak within the budget.
+6. ddp and fsdp on one rank (nccl on CUDA).
+7. estimate against measure for phase 3's configurations: error per field.
+8. the paper's headline S1 sweep (bert-large fp16, 16 GiB, exact, quant4,
+   ckpt, ckpt-auto, cheapest first) into a results store notebooks 02 and
+   04 read.
+
+Output (at most 8 files in the folder given): ``env.json``,
+``invariants.jsonl`` (one line per invariant: phase, name, ok, values),
+``measurements.jsonl`` (every Measurement, with its phase), ``estimates.csv``,
+``summary.md``, and the sweep's store ``s1.jsonl`` with ``s1.search.jsonl``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# the paper's combinations beside the atomic MOMs
+COMBINATIONS = ("quant4+ckpt", "quant4+swap", "swap+ckpt", "quant4+ckpt-auto")
+
+
+class _Deadline(BaseException):
+    """The phase's (or the whole check's) time is up; BaseException so no `except Exception` swallows it."""
+
+
+@dataclass
+class Plan:
+    """The sizes of each phase: the GPU's, or tiny ones for `--dry-run`."""
+
+    device: str
+    tiny_models: tuple
+    precisions: tuple
+    tiny_budget: int
+    big: dict  # model, size, precision, batch, budget of phases 3-5 and 8
+    oom_batch: int
+    auto_batch: int
+    s1_moms: tuple
+    s1_step: int
+    s1_steps: int
+    phase_s: dict = field(default_factory=dict)  # seconds each phase may take
+
+
+def plan(device: str, dry_run: bool) -> Plan:
+    if dry_run:
+        from momlab import catalog
+
+        size = catalog.tiny("bert-base")
+        return Plan(device, ("bert-base",), ("fp32",), GiB,
+                    {"model": "bert-base", "size": size, "precision": "fp32", "batch_size": 4,
+                     "budget": 48 * MiB}, oom_batch=4096, auto_batch=64,
+                    s1_moms=("exact", "quant4", "ckpt", "ckpt-auto"), s1_step=16, s1_steps=1,
+                    phase_s=dict.fromkeys(range(1, 9), 120.0))
+    return Plan(device, ("bert-base", "gpt2", "resnet50"), ("fp32", "fp16", "bf16"), GiB,
+                {"model": "bert-large", "size": {"seq_len": 128}, "precision": "fp16", "batch_size": 32,
+                 "budget": 16 * GiB}, oom_batch=4096, auto_batch=256,
+                s1_moms=("exact", "quant4", "ckpt", "ckpt-auto"), s1_step=4, s1_steps=3,
+                # seconds per phase; the S1 sweep gets what is left (its store resumes on a rerun)
+                phase_s={1: 20, 2: 100, 3: 70, 4: 30, 5: 45, 6: 40, 7: 45})
+
+
+def all_moms() -> list[str]:
+    import momlab
+
+    return list(momlab.moms()) + list(COMBINATIONS)
+
+
+class Evidence:
+    """The output folder: every line appended and flushed at once, the summary rewritten per phase."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.counts = {"pass": 0, "fail": 0}
+        self.failures: list[str] = []
+        self.phases: list[tuple[str, str, float]] = []
+        for name in ("invariants.jsonl", "measurements.jsonl"):
+            (self.out / name).write_text("")
+
+    def _append(self, name: str, obj: dict) -> None:
+        with open(self.out / name, "a") as f:
+            f.write(json.dumps(obj, allow_nan=True, default=str) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def check(self, phase: str, name: str, ok: bool, **values) -> bool:
+        ok = bool(ok)
+        self.counts["pass" if ok else "fail"] += 1
+        if not ok:
+            self.failures.append(f"{phase}: {name} {values}")
+        self._append("invariants.jsonl", {"phase": phase, "name": name, "ok": ok, "values": values})
+        return ok
+
+    def measurement(self, phase: str, m) -> None:
+        self._append("measurements.jsonl", {"phase": phase, **m.to_dict()})
+
+    def write(self, name: str, obj) -> None:
+        (self.out / name).write_text(json.dumps(obj, indent=2, allow_nan=True, default=str) + "\n")
+
+    def summary(self, header: dict, tables: list[str]) -> None:
+        lines = [f"# gpu-check on {header.get('device_name')} ({header.get('date')})", "",
+                 f"torch {header.get('torch')}, transformers {header.get('transformers')}, "
+                 f"commit {header.get('commit')}; mode: {header.get('mode')}", "",
+                 f"invariants: {self.counts['pass']} passed, {self.counts['fail']} failed", "",
+                 "| phase | status | seconds |", "|---|---|---|"]
+        lines += [f"| {p} | {s} | {t:.1f} |" for p, s, t in self.phases]
+        if self.failures:
+            lines += ["", "## Failed invariants", ""] + [f"- {f}" for f in self.failures[:60]]
+        lines += ["", *tables]
+        (self.out / "summary.md").write_text("\n".join(lines) + "\n")
+
+
+@dataclass
+class Check:
+    """State shared by the phases."""
+
+    plan: Plan
+    ev: Evidence
+    deadline: float
+    header: dict = field(default_factory=dict)
+    tables: list = field(default_factory=list)
+    big: dict = field(default_factory=dict)  # phase 3's measurements by MOM
+
+    # -- device helpers (the check itself reads the allocator to judge measure) --
+    @property
+    def cuda(self) -> bool:
+        return self.plan.device.startswith("cuda")
+
+    def allocated(self) -> int:
+        import torch
+
+        return torch.cuda.memory_allocated() if self.cuda else 0
+
+    def measure(self, phase: str, model: str, mom: str, **kw):
+        import momlab
+
+        m = momlab.measure(model, mom, device=self.plan.device, **kw)
+        self.ev.measurement(phase, m)
+        return m
+
+
+def _phase_env(c: Check) -> None:
+    import torch
+
+    from momlab import device as dev
+    from momlab.provenance import environment
+
+    env = environment(c.plan.device)
+    env["mode"] = c.header.get("mode")
+    facts = {"allocator_conf": dev.allocator_conf(), "host_limit_bytes": dev.host_limit()}
+    if c.cuda:
+        d = dev.check_device(c.plan.device)
+        c.ev.check("env", "device normalized with an index", d.index is not None, device=str(d))
+        free, total = torch.cuda.mem_get_info(d)
+        facts.update(total_memory=dev.total_memory(d), mem_get_info_free=free, mem_get_info_total=total,
+                     outside_allocator=dev.outside_allocator(d), capability=list(torch.cuda.get_device_capability(d)),
+                     host_memory_stats_available=bool(dev.host_memory_stats()) or hasattr(torch.cuda, "host_memory_stats"))
+        try:  # the first defect a budgeted CUDA run hit: the cap took no index-less device
+            torch.cuda.set_per_process_memory_fraction(1.0, d)
+            ok, err = True, None
+        except Exception as e:  # noqa: BLE001
+            ok, err = False, repr(e)
+        c.ev.check("env", "set_per_process_memory_fraction accepts the device", ok, error=err)
+    env["facts"] = facts
+    c.header.update(env)
+    c.ev.write("env.json", env)
+
+
+def _judge_fit(c: Check, phase: str, label: str, m, budget: int, baseline: int) -> None:
+    c.ev.check(phase, f"{label} fits", m.fits, error=m.error)
+    if not m.fits:
+        return
+    c.ev.check(phase, f"{label} allocated peak <= budget", m.peak_bytes <= budget, peak=m.peak_bytes, budget=budget)
+    if m.reserved_peak_bytes is not None:
+        c.ev.check(phase, f"{label} reserved peak <= budget", m.reserved_peak_bytes <= budget,
+                   reserved=m.reserved_peak_bytes, budget=budget)
+    c.ev.check(phase, f"{label} breakdown adds up",
+               m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.activation_bytes + m.workspace_bytes
+               >= m.peak_bytes, peak=m.peak_bytes, workspace=m.workspace_bytes)
+    after = c.allocated()
+    c.ev.check(phase, f"{label} memory back to baseline", after <= baseline, before=baseline, after=after)
+    if "quant" in m.mom and c.cuda:
+        state = (m.options.get("quant_compile") or {}).get("cuda", {})
+        c.ev.check(phase, f"{label} quantization compiled",
+                   state.get("encode") == "compiled" and state.get("decode") == "compiled", state=state)
+
+
+def _phase_tiny(c: Check) -> None:
+    from momlab import catalog
+
+    for precision in c.plan.precisions:  # fp32 first: if time runs out, the plainest cases are done
+        for model in c.plan.tiny_models:
+            for mom in all_moms():
+                baseline = c.allocated()
+                m = c.measure("tiny", model, mom, batch_size=4, budget=c.plan.tiny_budget, precision=precision,
+                              steps=2, **catalog.tiny(model))
+                _judge_fit(c, "tiny", f"{model} {precision} {mom}", m, c.plan.tiny_budget, baseline)
+
+
+def _big_kw(c: Check, **over) -> dict:
+    b = {**c.plan.big, **over}
+    return dict(batch_size=b["batch_size"], budget=b["budget"], precision=b["precision"], steps=3, **b["size"])
+
+
+def _phase_big(c: Check) -> None:
+    b = c.plan.big
+    rows = ["## Phase 3: " + f"{b['model']} {b['precision']} batch {b['batch_size']}, budget {b['budget'] / GiB:.2f} GiB",
+            "", "| MOM | fits | peak MiB | reserved MiB | params | grads | optim | activ | workspace | host MiB | "
+            "step s | samples/s |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for mom in ("exact", "ckpt", "ckpt-selective", "ckpt-auto", "swap", "quant8", "quant4", "quant2",
+                *COMBINATIONS):
+        baseline = c.allocated()
+        m = c.measure("big", b["model"], mom, **_big_kw(c))
+        c.big[mom] = m
+        _judge_fit(c, "big", f"{b['model']} {mom}", m, b["budget"], baseline)
+        mib = [x / MiB if isinstance(x, int) else math.nan for x in
+               (m.peak_bytes, m.reserved_peak_bytes, m.params_bytes, m.grads_bytes, m.optimizer_bytes,
+                m.activation_bytes, m.workspace_bytes, m.host_bytes)]
+        rows.append(f"| {mom} | {m.fits} | " + " | ".join(f"{v:.0f}" for v in mib)
+                    + f" | {m.step_time_s:.4f} | {m.throughput:.1f} |")
+        c.tables[:] = [t for t in c.tables if not t.startswith("## Phase 3")] + ["\n".join(rows)]
+    if "swap" in c.big and c.big["swap"].fits:
+        c.ev.check("big", "swap keeps its activations on the host", c.big["swap"].host_bytes > 0,
+                   host=c.big["swap"].host_bytes)
+
+
+def _phase_oom(c: Check) -> None:
+    b = c.plan.big
+    baseline = c.allocated()
+    m = c.measure("oom", b["model"], "exact", **_big_kw(c, batch_size=c.plan.oom_batch))
+    c.ev.check("oom", "a batch that cannot fit is fits=False, not a crash", not m.fits, error=m.error,
+               where=m.options.get("oom"))
+    after = c.allocated()
+    c.ev.check("oom", "memory back to baseline after the OOM", after <= baseline, before=baseline, after=after)
+    first = c.big.get("exact")
+    if first is None or not first.fits:
+        c.ev.check("oom", "phase 3's exact measurement exists to repeat", False)
+        return
+    again = c.measure("oom", b["model"], "exact", **_big_kw(c))
+    fields = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "workspace_bytes")
+    diff = {f: (getattr(first, f), getattr(again, f)) for f in fields if getattr(first, f) != getattr(again, f)}
+    c.ev.check("oom", "the measurement after an OOM repeats the one before, to the byte", not diff, differences=diff)
+
+
+def _phase_auto(c: Check) -> None:
+    b = c.plan.big
+    exact = c.measure("ckpt-auto", b["model"], "exact", **_big_kw(c, batch_size=c.plan.auto_batch))
+    c.ev.check("ckpt-auto", f"exact does not fit at batch {c.plan.auto_batch}", not exact.fits,
+               peak=exact.peak_bytes)
+    baseline = c.allocated()
+    m = c.measure("ckpt-auto", b["model"], "ckpt-auto", **_big_kw(c, batch_size=c.plan.auto_batch))
+    _judge_fit(c, "ckpt-auto", f"ckpt-auto batch {c.plan.auto_batch}", m, b["budget"], baseline)
+    plan = m.options.get("ckpt_plan", {})
+    c.ev.check("ckpt-auto", "the plan checkpoints some blocks, not necessarily all",
+               bool(plan.get("checkpointed")), checkpointed=plan.get("checkpointed"), blocks=plan.get("blocks"),
+               trials=plan.get("trials"))
+
+
+def _phase_ranks(c: Check) -> None:
+    from momlab import catalog
+    from momlab.distributed import measure_distributed
+
+    for parallel in ("ddp", "fsdp"):
+        m = measure_distributed("bert-base", "exact", ranks=1, parallel=parallel, batch_size=4,
+                                device=c.plan.device, steps=2, **catalog.tiny("bert-base"))
+        c.ev.measurement("ranks", m)
+        c.ev.check("ranks", f"{parallel} on one rank fits", m.fits, error=m.error, backend=m.options.get("backend"))
+        if c.cuda:
+            c.ev.check("ranks", f"{parallel} ran on nccl", m.options.get("backend") == "nccl",
+                       backend=m.options.get("backend"))
+
+
+def _phase_estimate(c: Check) -> None:
+    import torch
+
+    from momlab import gpus
+    from momlab.estimate import estimate
+
+    gpu = gpus.for_device_name(torch.cuda.get_device_name()) if c.cuda else "cpu"
+    fields = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
+              "workspace_bytes", "step_time_s")
+    path = c.ev.out / "estimates.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["model", "mom", "batch_size", "precision", "gpu", "field", "measured", "estimated",
+                    "error_rel", "note"])
+        for mom, m in c.big.items():
+            if not m.fits:
+                continue
+            try:
+                e = estimate(m.model, mom, batch_size=m.batch_size, gpu=gpu, precision=m.precision,
+                             budget=m.budget, **m.size)
+            except Exception as exc:  # noqa: BLE001 - an estimate that cannot be made is a row, not a stop
+                w.writerow([m.model, mom, m.batch_size, m.precision, gpu, "", "", "", "",
+                            f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"])
+                continue
+            for name in fields:
+                got, want = getattr(e, name), getattr(m, name)
+                err = (got - want) / want if want else math.nan
+                w.writerow([m.model, mom, m.batch_size, m.precision, gpu, name, want, got, f"{err:.4f}", ""])
+            f.flush()
+    c.ev.check("estimate", "estimates written", path.stat().st_size > 0, gpu=gpu)
+
+
+def _phase_s1(c: Check) -> None:
+    from momlab.sweep import sweep
+
+    b = c.plan.big
+    store = c.ev.out / "s1.jsonl"
+    df = sweep([b["model"]], list(c.plan.s1_moms), batch_sizes="auto", budget=b["budget"], device=c.plan.device,
+               precision=b["precision"], size={b["model"]: dict(b["size"])}, steps=c.plan.s1_steps,
+               batch_step=c.plan.s1_step, store=str(store), progress=False)
+    for lock in c.ev.out.glob("*.lock"):  # only needed while writing; the folder keeps at most 8 files
+        lock.unlink()
+    c.ev.check("s1", "the S1 sweep recorded points", len(df) > 0, points=len(df), store=str(store))
+    if len(df):
+        c.tables.append("## Phase 8: S1 sweep\n\n" + _s1_text(df))
+
+
+def _s1_text(df) -> str:
+    fit = df[df["fits"]] if "fits" in df else df
+    rows = ["| MOM | max batch measured | max throughput | at batch |", "|---|---|---|---|"]
+    for mom, g in fit.groupby("mom"):
+        best = g.loc[g["throughput"].idxmax()]
+        rows.append(f"| {mom} | {int(g['batch_size'].max())} | {best['throughput']:.1f} | {int(best['batch_size'])} |")
+    return "\n".join(rows)
+
+
+PHASES = (("1 environment", _phase_env), ("2 tiny models, every MOM", _phase_tiny),
+          ("3 real size, every MOM", _phase_big), ("4 OOM and leaks", _phase_oom),
+          ("5 ckpt-auto beyond exact", _phase_auto), ("6 ddp/fsdp on one rank", _phase_ranks),
+          ("7 estimate vs measure", _phase_estimate), ("8 S1 sweep", _phase_s1))
+
+
+def _alarm(signum, frame):
+    raise _Deadline(f"signal {signum}")
+
+
+def run(out, *, device: str = "cuda", dry_run: bool = False, time_limit_s: float = 450.0,
+        phases: list[int] | None = None) -> dict:
+    """Run the check into the folder `out`; returns the counts. See the module docstring."""
+    start = time.monotonic()
+    p = plan(device, dry_run)
+    c = Check(p, Evidence(Path(out)), start + time_limit_s,
+              header={"mode": ("dry-run" if dry_run else "full") + f" on {device}"})
+    previous = {s: signal.signal(s, _alarm) for s in (signal.SIGTERM, signal.SIGALRM)}
+    try:
+        for i, (name, fn) in enumerate(PHASES, start=1):
+            if phases is not None and i not in phases:
+                continue
+            left = c.deadline - time.monotonic()
+            if left < 5:
+                c.ev.phases.append((name, "skipped: out of time", 0.0))
+                continue
+            t0 = time.monotonic()
+            signal.setitimer(signal.ITIMER_REAL, max(1.0, min(p.phase_s.get(i, left), left)))
+            try:
+                fn(c)
+                status = "done"
+            except _Deadline:
+                status = "stopped at its time limit"
+            except Exception as exc:  # noqa: BLE001 - a broken phase is evidence; the next phase still runs
+                status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                c.ev.check(name, "phase ran without an exception", False,
+                           traceback="".join(traceback.format_exception(exc))[-3000:])
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            c.ev.phases.append((name, status, time.monotonic() - t0))
+            c.ev.summary(c.header, c.tables)
+    except _Deadline:  # SIGTERM between phases
+        c.ev.phases.append(("(terminated)", "stopped by a signal", 0.0))
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        c.ev.summary(c.header, c.tables)
+    return dict(c.ev.counts, seconds=time.monotonic() - start, out=str(c.ev.out))
+
+
+def main(args) -> int:
+    result = run(args.out, device=args.device, dry_run=args.dry_run, time_limit_s=args.time_limit,
+                 phases=args.phases)
+    print(f"gpu-check: {result['pass']} invariants passed, {result['fail']} failed in {result['seconds']:.0f} s; "
+          f"evidence in {result['out']} (summary.md)")
+    return 0 if result["fail"] == 0 else 1
+
