@@ -14,7 +14,7 @@ emulated device account the same step a GPU runs (recorded in `options`).
 from __future__ import annotations
 
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -66,6 +66,22 @@ class Workload:
     handle: object | None = None
     options: dict = field(default_factory=dict)
     generator: torch.Generator | None = None
+    rng_state: dict | None = None  # the global generators' state this workload's steps continue from
+
+    @contextmanager
+    def _own_rng(self):
+        """The step draws dropout from the global generators: run it on this workload's own stream, so
+        two workloads stepped alternately in one process train exactly as each would alone."""
+        cuda = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            if self.rng_state is not None:
+                torch.set_rng_state(self.rng_state["cpu"])
+                if cuda:
+                    torch.cuda.set_rng_state(self.rng_state["cuda"], self.device)
+            try:
+                yield
+            finally:
+                self.rng_state = _rng_state(self.device)
 
     def batch(self) -> dict:
         """A fresh synthetic batch (seeded: the same sequence for the same seed)."""
@@ -74,6 +90,10 @@ class Workload:
     def step(self, batch: dict | None = None, *, on_forward_end: Callable | None = None,
              on_backward_end: Callable | None = None) -> float:
         """One full training step; returns the loss. Callbacks let a probe read memory."""
+        with self._own_rng():
+            return self._step(batch, on_forward_end, on_backward_end)
+
+    def _step(self, batch, on_forward_end, on_backward_end) -> float:
         inputs = self.batch() if batch is None else batch
         context = self.handle.context() if self.handle is not None else nullcontext()
         with autocast(self.device, self.precision), context:
@@ -154,4 +174,13 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
         "optimizer": spec.optimizer, "foreach": FOREACH,
         "attn_implementation": getattr(getattr(net, "config", None), "_attn_implementation", None),
     }
-    return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen)
+    # steps continue the global stream from where the model's initialization left it (see _own_rng)
+    return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen,
+                    _rng_state(dev))
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
