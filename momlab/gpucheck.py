@@ -338,11 +338,13 @@ def _phase_s1(c: Check) -> None:
 
     b = c.plan.big
     store = c.ev.out / "s1.jsonl"
-    df = sweep([b["model"]], list(c.plan.s1_moms), batch_sizes="auto", budget=b["budget"], device=c.plan.device,
-               precision=b["precision"], size={b["model"]: dict(b["size"])}, steps=c.plan.s1_steps,
-               batch_step=c.plan.s1_step, store=str(store), progress=False)
-    for lock in c.ev.out.glob("*.lock"):  # only needed while writing; the folder keeps at most 8 files
-        lock.unlink()
+    try:
+        df = sweep([b["model"]], list(c.plan.s1_moms), batch_sizes="auto", budget=b["budget"],
+                   device=c.plan.device, precision=b["precision"], size={b["model"]: dict(b["size"])},
+                   steps=c.plan.s1_steps, batch_step=c.plan.s1_step, store=str(store), progress=False)
+    finally:
+        for lock in c.ev.out.glob("*.lock"):  # only needed while writing; the folder keeps at most 8 files
+            lock.unlink()
     c.ev.check("s1", "the S1 sweep recorded points", len(df) > 0, points=len(df), store=str(store))
     if len(df):
         c.tables.append("## Phase 8: S1 sweep\n\n" + _s1_text(df))
