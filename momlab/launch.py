@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 LAUNCHERS = ("local", "slurm")
+# How `make figures` hands a launch to the sweeps its notebooks run (papermill kernels inherit the environment)
+ENV_VAR = "MOMLAB_SWEEP_LAUNCH"
 # A local job has no scheduler to give it a limit; submitit's default (2 minutes) would kill real sweeps.
 LOCAL_TIME_MIN = 7 * 24 * 60
 
@@ -132,18 +134,23 @@ def executor(launch: Launch, folder, device: str):
         ex.update_parameters(timeout_min=launch.time_min or LOCAL_TIME_MIN, gpus_per_node=1 if cuda else 0,
                              tasks_per_node=1)
         return ex
+    ex = submitit.SlurmExecutor(folder=str(folder))  # raises off a cluster (no srun)
+    ex.update_parameters(**slurm_parameters(launch, device))
+    return ex
+
+
+def slurm_parameters(launch: Launch, device: str) -> dict:
+    """The SlurmExecutor parameters of `launch` (sbatch options, submitit's spelling)."""
     tasks = launch.tasks_per_job()
-    ex = submitit.SlurmExecutor(folder=str(folder))
     params = dict(job_name="momlab-sweep", time=launch.time_min, ntasks_per_node=tasks,
                   array_parallelism=launch.array_parallelism or launch.jobs)
-    if cuda:
-        params["gpus_per_node"] = tasks
+    if device.split(":")[0] == "cuda":
+        params["gpus_per_node"] = tasks  # one task (worker) per GPU of the job
     if launch.partition is not None:
         params["partition"] = launch.partition
     if launch.threads is not None:
         params["cpus_per_task"] = launch.threads
-    ex.update_parameters(**params)
-    return ex
+    return params
 
 
 def submit(fn, launch: Launch, folder, device: str, *args) -> list:

@@ -464,22 +464,19 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
     return df
 
 
-LAUNCH_ENV = "MOMLAB_SWEEP_LAUNCH"
-
-
 def _launch_of(workers, launch):
     import os
 
-    from momlab.launch import Launch
+    from momlab.launch import ENV_VAR, Launch
 
     if workers is None and launch is None:
-        if not os.environ.get(LAUNCH_ENV):
+        if not os.environ.get(ENV_VAR):
             return None
         try:
-            launch = json.loads(os.environ[LAUNCH_ENV])
+            launch = json.loads(os.environ[ENV_VAR])
         except ValueError as exc:
-            raise ValueError(f"{LAUNCH_ENV} must be a JSON mapping of launch options, got "
-                             f"{os.environ[LAUNCH_ENV]!r}") from exc
+            raise ValueError(f"{ENV_VAR} must be a JSON mapping of launch options, got "
+                             f"{os.environ[ENV_VAR]!r}") from exc
     launch = Launch() if launch is None else Launch.of(launch)
     if workers is not None:
         launch = Launch.of({**launch.to_dict(), "workers": workers})

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from momlab import catalog
-from momlab.launch import Launch, enter_worker, executor
+from momlab.launch import Launch, enter_worker, executor, slurm_parameters
 from momlab.results import Store, compact, config_key, environment, shards_dir
 from momlab.sweep import SweepIncomplete, expected_cost, sweep
 
@@ -124,15 +124,16 @@ def test_slurm_job_array_parameters(tmp_path):
     launch = Launch(workers=8, launcher="slurm", partition="gpu", time_min=90, gpus_per_job=4, threads=6,
                     array_parallelism=1)
     assert launch.jobs == 2 and launch.tasks_per_job() == 4
-    ex = executor(launch, tmp_path, "cuda")
     text = _make_sbatch_string(command="python -m submitit.core._submit x", folder=str(tmp_path), map_count=2,
-                               **ex.parameters)
+                               **slurm_parameters(launch, "cuda"))
     for line in ("#SBATCH --partition=gpu", "#SBATCH --time=90", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --ntasks-per-node=4", "#SBATCH --cpus-per-task=6", "#SBATCH --array=0-1%1",
                  "#SBATCH --job-name=momlab-sweep"):
         assert line in text, line
-    cpu = executor(Launch(workers=2, launcher="slurm", time_min=10), tmp_path, "cpu")
-    assert "gpus_per_node" not in cpu.parameters and cpu.parameters["ntasks_per_node"] == 1
+    cpu = slurm_parameters(Launch(workers=2, launcher="slurm", time_min=10), "cpu")
+    assert "gpus_per_node" not in cpu and cpu["ntasks_per_node"] == 1 and cpu["array_parallelism"] == 2
+    with pytest.raises(RuntimeError, match="srun"):  # what a user off a cluster is told
+        executor(launch, tmp_path, "cuda")
 
 
 def test_slurm_task_owns_one_gpu_of_its_job(monkeypatch, one_thread):
@@ -169,3 +170,39 @@ def test_largest_expected_cost_first():
     assert expected_cost(wide) > expected_cost(small)
     assert expected_cost(half) == 125 * expected_cost(small)
     assert expected_cost({**small, "batch_sizes": [4]}) == expected_cost(small) * 4 / 3
+
+
+def test_command_line_and_figures_take_the_launch(monkeypatch, tmp_path):
+    from momlab import figures, launch
+    from momlab.cli import parser
+
+    args = parser().parse_args(["sweep", "p.yaml", "--workers", "16", "--launcher", "slurm", "--partition", "gpu",
+                                "--time-min", "360", "--gpus-per-job", "4", "--array-parallelism", "2"])
+    assert launch.from_args(args) == Launch(workers=16, launcher="slurm", partition="gpu", time_min=360,
+                                            gpus_per_job=4, array_parallelism=2)
+    assert launch.from_args(parser().parse_args(["sweep", "p.yaml"])) is None  # this process, as before
+    seen = []
+    monkeypatch.setattr(figures, "run", lambda params, notebooks, launch=None: seen.append(launch))
+    assert figures.main(["--workers", "2", "--threads-per-worker", "1", "p.yaml", "a.ipynb"]) == 0
+    assert seen == [Launch(workers=2, threads=1)]
+    # what figures.run hands the notebooks' kernels: sweep() reads it when given no launch of its own
+    monkeypatch.setenv(launch.ENV_VAR, json.dumps({"workers": 0}))
+    with pytest.raises(ValueError, match="workers must be an int >= 1"):
+        sweep(["bert-base"], batch_sizes=[1], store=tmp_path / "x.jsonl")
+
+
+def test_figures_run_hands_the_launch_to_the_notebooks(monkeypatch, tmp_path):
+    import sys
+    import types
+
+    from momlab import figures, launch
+
+    seen = []
+    fake = types.SimpleNamespace(execute_notebook=lambda *a, **k: seen.append(os.environ.get(launch.ENV_VAR)))
+    monkeypatch.setitem(sys.modules, "papermill", fake)
+    monkeypatch.delenv(launch.ENV_VAR, raising=False)
+    params = tmp_path / "p.yaml"
+    params.write_text("notebooks:\n  01_x: {a: 1}\n")
+    figures.run(params, [tmp_path / "01_x.ipynb"], out_dir=tmp_path / "out", launch=2)
+    assert [json.loads(s)["workers"] for s in seen] == [2]
+    assert launch.ENV_VAR not in os.environ  # only for the run
