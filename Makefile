@@ -30,8 +30,10 @@ test-all: $(VENV)/.installed ## the test suite with the exhaustive model x MOM m
 test-fast: $(VENV)/.installed ## the tests not marked slow
 	$(PY) -m pytest -q --ignore=tests/browser -m "not slow and not exhaustive"
 
-figures: $(VENV)/.installed ## run every notebook with $(PARAMS): results/ and figures/
-	$(PY) -m momlab.figures $(PARAMS) $(NOTEBOOKS)
+# SWEEP: launch flags for the notebooks' sweeps, e.g. SWEEP="--workers 4" (README, momlab.launch)
+SWEEP ?=
+figures: $(VENV)/.installed ## run every notebook with $(PARAMS) (and $(SWEEP) flags): results/ and figures/
+	$(PY) -m momlab.figures $(SWEEP) $(PARAMS) $(NOTEBOOKS)
 
 bench: $(VENV)/.installed ## benchmarks: ratios measured side by side in one run
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

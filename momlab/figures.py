@@ -13,10 +13,18 @@ notebooks write results into the store and figures into `figures_dir`. A
 notebook the file does not mention is skipped, with a line saying so.
 
     python -m momlab.figures params/default.yaml notebooks/01_memory_breakdown.ipynb ...
+    python -m momlab.figures --workers 4 params/h200.yaml notebooks/*.ipynb
+
+The launch flags (--workers, --launcher slurm, ...: momlab.launch) reach every
+`momlab.sweep` the notebooks call, through the environment variable
+MOMLAB_SWEEP_LAUNCH, so the notebooks stay free of cluster details.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -47,8 +55,25 @@ def parameters_for(params: dict, notebook: str, overrides: dict | None = None) -
     return {**(params.get("common") or {}), **own, **(overrides or {})}
 
 
-def run(params_path, notebooks, out_dir=ROOT / "build" / "notebooks", overrides: dict | None = None) -> list[Path]:
-    """Execute `notebooks` with the values of `params_path` (and `overrides`, e.g. another figures_dir)."""
+def run(params_path, notebooks, out_dir=ROOT / "build" / "notebooks", overrides: dict | None = None,
+        launch=None) -> list[Path]:
+    """Execute `notebooks` with the values of `params_path` (and `overrides`, e.g. another figures_dir).
+
+    `launch` (a momlab.launch.Launch, a mapping of its fields, or a number of
+    local workers) runs the notebooks' sweeps on workers, as `sweep(launch=...)`.
+    """
+    if launch is not None:
+        from momlab.launch import ENV_VAR, Launch
+
+        previous = os.environ.get(ENV_VAR)
+        os.environ[ENV_VAR] = json.dumps(Launch.of(launch).to_dict())
+        try:
+            return run(params_path, notebooks, out_dir, overrides)
+        finally:
+            if previous is None:
+                os.environ.pop(ENV_VAR)
+            else:
+                os.environ[ENV_VAR] = previous
     import papermill
 
     params = read(params_path)
@@ -71,12 +96,15 @@ def run(params_path, notebooks, out_dir=ROOT / "build" / "notebooks", overrides:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) < 1:
-        print("usage: python -m momlab.figures PARAMS.yaml NOTEBOOK.ipynb...", file=sys.stderr)
-        return 2
+    from momlab import launch
+
+    p = argparse.ArgumentParser(prog="python -m momlab.figures", description="run notebooks under a parameter file")
+    p.add_argument("params", help="figures parameter file (params/*.yaml)")
+    p.add_argument("notebooks", nargs="*")
+    launch.add_flags(p)
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        run(argv[0], argv[1:])
+        run(args.params, args.notebooks, launch=launch.from_args(args))
     except ValueError as exc:
         print(f"momlab.figures: error: {exc}", file=sys.stderr)
         return 2

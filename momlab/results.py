@@ -16,6 +16,16 @@ newline. Readers ignore such a fragment; the next writer cuts it off before
 appending. Under the same lock a writer re-reads what others appended and
 refuses a key already present, so two sweeps on one store record each
 configuration once.
+
+Workers (momlab.launch) do not share that lock: on a shared filesystem
+(NFS, Lustre) flock may not exclude across hosts. Each worker appends only
+to its own shard, ``<stem>.shards/<run>-w<i>.jsonl``, of which it is the one
+writer; a `Store` reads the main file and every shard as one store, a key
+counting once (the first file read that has it: the main file, then shards
+by name). At the end of a launch the driver, one process, moves its shards'
+records into the main file (`compact`) and deletes them, so results/ keeps
+one file per store; killed between the two, the records are in both and
+still read once, and the next `compact` skips them.
 """
 
 from __future__ import annotations
@@ -115,16 +125,90 @@ def _parse_lines(data: bytes, where: str, first_line: int = 1) -> tuple[list[dic
     return records, end
 
 
-class Store:
-    """One JSON-lines file of records, appended atomically and read incrementally."""
+def shards_dir(path) -> Path:
+    """Where workers of a launch keep their shards of the store at `path`: ``<stem>.shards/``."""
+    p = Path(path)
+    return p.with_name((p.name[:-6] if p.name.endswith(".jsonl") else p.name) + ".shards")
 
-    def __init__(self, path):
+
+class _Tail:
+    """One file read incrementally: the complete lines appended since the last read."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.lines = path, 0, 0
+
+    def read(self) -> list[dict] | None:
+        """New records; None when the file shrank below what was read (replaced or cut: read all again)."""
+        try:
+            with open(self.path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self.offset:
+                    return None
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        new, used = _parse_lines(data, str(self.path), self.lines + 1)
+        self.offset += used
+        self.lines += data[:used].count(b"\n")
+        return new
+
+
+def _cut_fragment(path: Path) -> None:
+    # A trailing line without its newline can only be a write that was killed; appending
+    # after it would glue two records into one bad line, so it goes (it was never complete).
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    if size == 0:
+        return
+    with open(path, "rb") as f:
+        f.seek(max(0, size - 1))
+        if f.read(1) == b"\n":
+            return
+        f.seek(0)
+        data = f.read()
+    os.truncate(path, data.rfind(b"\n") + 1)
+
+
+def _write_line(path: Path, data: bytes) -> None:
+    created = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        written = os.write(fd, data)
+        while written < len(data):  # regular files take it all at once; be sure anyway
+            written += os.write(fd, data[written:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if created:  # make the new directory entry durable too
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+class Store:
+    """One store of records: its JSON-lines file and its workers' shards, appended atomically, read incrementally.
+
+    `shard` names the shard this Store appends to (a worker's own file, no
+    lock); without it appends go to the main file under the lock. `shards`
+    False reads the main file alone.
+    """
+
+    def __init__(self, path, *, shard: str | None = None, shards: bool = True):
         self.path = Path(path)
         self.lock_path = self.path.with_name(self.path.name + ".lock")
-        self._offset = 0
-        self._lines = 0
+        self.shard_path = None if shard is None else shards_dir(self.path) / f"{shard}.jsonl"
+        self.read_shards = shards
+        self._reset()
+
+    def _reset(self) -> None:
+        self._tails: dict[Path, _Tail] = {}
         self._records: list[dict] = []
         self._by_key: dict[str, dict] = {}
+        self._origin: dict[str, Path] = {}
 
     @contextmanager
     def _locked(self):
@@ -137,24 +221,30 @@ class Store:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    def files(self) -> list[Path]:
+        """The main file, then the shards by name (the order a key's first record wins in)."""
+        shards = sorted(shards_dir(self.path).glob("*.jsonl")) if self.read_shards else []
+        return [self.path, *shards]
+
     def refresh(self) -> "Store":
         """Read what was appended since the last read (complete lines only)."""
-        try:
-            with open(self.path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if size < self._offset:  # replaced or cut below what we had read: start over
-                    self.__init__(self.path)
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return self
-        new, used = _parse_lines(data, str(self.path), self._lines + 1)
-        self._offset += used
-        self._lines += data[:used].count(b"\n")
-        for rec in new:
-            self._records.append(rec)
-            if "key" in rec:
-                self._by_key.setdefault(rec["key"], rec)
+        files = self.files()
+        for path in files:
+            tail = self._tails.setdefault(path, _Tail(path))
+            new = tail.read()
+            if new is None:
+                self._reset()
+                return self.refresh()
+            for rec in new:
+                key = rec.get("key")
+                if key is not None and self._origin.get(key, path) != path:
+                    continue  # the same record in another file: a shard being compacted
+                self._records.append(rec)
+                if key is not None:
+                    self._by_key.setdefault(key, rec)
+                    self._origin.setdefault(key, path)
+        for path in [p for p in self._tails if p not in files]:
+            del self._tails[path]  # a compacted shard: its records stay read (they are in the main file now)
         return self
 
     def records(self) -> list[dict]:
@@ -171,48 +261,46 @@ class Store:
         fp = fingerprint(env)
         return {k for k, r in self._by_key.items() if r.get("fingerprint") == fp}
 
-    def _cut_fragment(self) -> None:
-        # A trailing line without its newline can only be a write that was killed; appending
-        # after it would glue two records into one bad line, so it goes (it was never complete).
-        try:
-            size = self.path.stat().st_size
-        except FileNotFoundError:
-            return
-        if size == 0:
-            return
-        with open(self.path, "rb") as f:
-            f.seek(max(0, size - 1))
-            if f.read(1) == b"\n":
-                return
-            f.seek(0)
-            data = f.read()
-        os.truncate(self.path, data.rfind(b"\n") + 1)
-
     def append(self, record: dict, *, unique: bool = True) -> bool:
         """Append one record atomically; with `unique`, refuse (return False) a key already stored."""
         data = (json.dumps(record, sort_keys=True, allow_nan=True) + "\n").encode()
+        if self.shard_path is not None:
+            # one writer per shard: no lock needed (nor trusted, on a shared filesystem)
+            self.shard_path.parent.mkdir(parents=True, exist_ok=True)
+            _cut_fragment(self.shard_path)
+            if unique and record.get("key") is not None and self.get(record["key"]) is not None:
+                return False
+            _write_line(self.shard_path, data)
+            self.refresh()
+            return True
         with self._locked():
-            self._cut_fragment()
+            _cut_fragment(self.path)
             self.refresh()
             if unique and record.get("key") is not None and record["key"] in self._by_key:
                 return False
-            created = not self.path.exists()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                written = os.write(fd, data)
-                while written < len(data):  # regular files take it all at once; be sure anyway
-                    written += os.write(fd, data[written:])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if created:  # make the new directory entry durable too
-                dfd = os.open(self.path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
+            _write_line(self.path, data)
             self.refresh()
         return True
+
+
+def compact(path, prefix: str = "") -> int:
+    """Move the records of the shards whose names start with `prefix` into the main file; delete the shards.
+
+    Run by one process, when no worker writes those shards any more (a sweep's
+    driver after its workers ended). Returns how many records moved; a record
+    whose key the main file has already is dropped, not copied twice.
+    """
+    main = Store(path, shards=False)
+    moved = 0
+    for shard in sorted(shards_dir(path).glob(f"{prefix}*.jsonl")):
+        _cut_fragment(shard)
+        for rec in _Tail(shard).read() or []:
+            moved += main.append(rec, unique=True)
+        shard.unlink()
+    d = shards_dir(path)
+    if d.exists() and not any(d.iterdir()):
+        d.rmdir()
+    return moved
 
 
 def append(path, record: dict, *, unique: bool = True) -> bool:

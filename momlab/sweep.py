@@ -23,18 +23,33 @@ with points measured at full ``steps``.
 
 The parameter-file form (`sweep_from_file`) takes the same keywords as
 `sweep`, in YAML; see `FILE_KEYS`.
+
+Workers (``workers=N`` or ``launch=``; engine and placement in
+momlab.launch): the work is split by configuration (model, MOM, precision,
+budget and scan: a search and the points it leads to stay on one worker,
+since its trials are sequential), ordered largest expected cost first
+(`expected_cost`) so the longest does not start last. Each worker walks
+that list and claims the next unclaimed configuration, and each point too
+(two scans can meet at one point), so a launch measures every point once;
+records go to the worker's own shard of the store (momlab.results), with
+its provenance in ``worker`` (index, host, GPU, job, pid, threads). A worker
+killed loses its point in flight; the others go on, the sweep then raises
+`SweepIncomplete`, and the same sweep run again measures only what is not
+recorded.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
+import sys
 from pathlib import Path
 
 from momlab.record import Measurement
-from momlab.results import PARAM_KEYS, Store, config_key, environment, make_record, to_frame
+from momlab.results import PARAM_KEYS, Store, compact, config_key, environment, make_record, shards_dir, to_frame
 from momlab.search import (SIZE_KEYWORDS, Search, max_batch_size, max_model_size, measure_in_fresh_process,
                            resolve_measure)
 from momlab.units import format_bytes, parse_bytes
@@ -101,12 +116,20 @@ def _now() -> str:
 class _Runner:
     """Measures configurations once each, into the points store and the search-trials store."""
 
-    def __init__(self, store, env, measure_fn, fresh_process, run, bar):
-        self.points = Store(store)
-        self.trials = Store(search_store_path(store))
+    def __init__(self, store, env, measure_fn, fresh_process, run, bar, shard=None, worker=None, claims=None):
+        self.points = Store(store, shard=shard)
+        self.trials = Store(search_store_path(store), shard=shard)
         self.env, self.fn, self.fresh, self.run, self.bar = env, resolve_measure(measure_fn), fresh_process, run, bar
+        self.worker, self.claims = worker, claims  # a launch's worker: provenance, and where points are claimed
         self.keys: list[str] = []
         self.measured = self.skipped = 0
+
+    def _mine(self, key: str) -> bool:
+        if self.claims is None:
+            return True
+        from momlab.launch import claim
+
+        return claim(self.claims, "point-" + key, self.worker)
 
     def _measure(self, params: dict) -> Measurement:
         kwargs = {k: v for k, v in params.items() if k != "size"}
@@ -114,6 +137,8 @@ class _Runner:
         return measure_in_fresh_process(self.fn, **kwargs) if self.fresh else self.fn(**kwargs)
 
     def _record(self, m: Measurement, params: dict, **extra) -> dict:
+        if self.worker is not None:
+            extra["worker"] = self.worker
         return make_record(m, params, {**self.env, "date": _now()}, run=self.run, **extra)
 
     def point(self, params: dict, scan: str) -> None:
@@ -122,7 +147,7 @@ class _Runner:
         size = ",".join(f"{k}={v}" for k, v in params["size"].items())
         self.bar.set_description(f"{params['model']} {params['mom']} {params['precision']} "
                                  f"bs={params['batch_size']} {size}".strip())
-        if self.points.get(key) is None:
+        if self.points.get(key) is None and self._mine(key):
             m = self._measure(params)
             # False when a concurrent sweep recorded it meanwhile: its record stands, ours is dropped
             self.points.append(self._record(m, params, scan=scan, role="point"))
@@ -216,10 +241,187 @@ def _check(models, moms, batch_sizes, budgets, device, precisions, size, sizes, 
             check_choice("precision", p, PRECISIONS)
 
 
+class SweepIncomplete(RuntimeError):
+    """A launch ended with workers that failed or were killed; what they finished is recorded: rerun to finish."""
+
+
+def _plan(models, moms, batch_sizes, budgets, device, precisions, size, sizes, steps, warmup, seed, batch_step,
+          search_steps) -> list[dict]:
+    """The sweep's configurations in plan order, each a unit of work: a scan (and its search, if any)."""
+    sizes = sizes or {}
+    listed = [(dim, v) for dim, values in sizes.items() if values != "auto" for v in values]
+    searched = [dim for dim, values in sizes.items() if values == "auto"]
+    units = []
+    for model in models:
+        fixed = model_size(size, model)
+        # a scanned keyword replaces the fixed one; S1 sweeps scan only the batch
+        scans = [(dim, {**fixed, dim: v}) for dim, v in listed] if sizes else [("batch_size", fixed)]
+        for prec in precisions:
+            for bud in budgets:
+                for mom in moms:
+                    base = dict(model=model, mom=mom, device=device, precision=prec, budget=bud, steps=steps,
+                                warmup=warmup, seed=seed)
+                    for scan, sz in scans:
+                        units.append(dict(base=base, scan=scan, size=sz, batch_sizes=batch_sizes,
+                                          batch_step=batch_step, search_steps=search_steps))
+                    for dim in searched:
+                        rest = {k: v for k, v in fixed.items() if k != dim}
+                        for b in batch_sizes:
+                            units.append(dict(base=base, scan=dim, size=rest, batch_sizes=[b],
+                                              search_steps=search_steps, search_dim=dim))
+    return units
+
+
+def _run_unit(runner: _Runner, unit: dict, grow=lambda n: None) -> None:
+    """Search (if the unit asks) and measure one configuration's points into `runner`'s stores."""
+    base, scan, sz = unit["base"], unit["scan"], unit["size"]
+    search = dict(budget=base["budget"], device=base["device"], precision=base["precision"],
+                  steps=unit["search_steps"], warmup=base["warmup"], seed=base["seed"])
+    if "search_dim" in unit:
+        b = unit["batch_sizes"][0]
+        s = max_model_size(base["model"], base["mom"], dim=scan, batch_size=b, **search,
+                           measure_fn=runner.cached_measure(scan), **sz)
+        values = auto_points(s)
+        grow(len(values))
+        for v in values:
+            runner.point({**base, "batch_size": b, "size": {**sz, scan: v}}, scan)
+        return
+    if unit["batch_sizes"] == "auto":
+        s = max_batch_size(base["model"], base["mom"], step=unit["batch_step"], **search,
+                           measure_fn=runner.cached_measure("batch_size"), **sz)
+        batches = auto_points(s)
+    else:
+        batches = list(unit["batch_sizes"])
+    grow(len(batches))
+    for b in batches:
+        runner.point({**base, "batch_size": b, "size": sz}, scan)
+
+
+# bf16/fp16 steps on a CPU without AVX-512 BF16 / AMX: about 125x fp32 (/work/shared/ENVIRONMENT.md)
+_CPU_HALF_FACTOR = 125
+# An "auto" scan's points are unknown until its search ends: count it as batches 1, 2, ... 64 and as many trials
+_AUTO_SAMPLES = 2 * (1 + 2 + 4 + 8 + 16 + 32 + 64)
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(model: str, size_json: str) -> int:
+    import torch
+
+    from momlab import catalog
+
+    with torch.device("meta"):
+        net = catalog.make_model(model, catalog.resolve_size(model, json.loads(size_json)))
+    return sum(p.numel() for p in net.parameters())
+
+
+def expected_cost(unit: dict) -> float:
+    """A configuration's expected cost, in no unit: parameters x samples stepped (x 125 for half precision on CPU).
+
+    Only its order matters: it sorts the work largest first, so the longest
+    configuration does not start last on an otherwise idle cluster (LPT
+    scheduling). It is not a prediction of seconds. Parameters are counted on
+    the meta device (nothing allocated); a size search counts the model at
+    its other keywords' values and the catalog's default for the searched one.
+    """
+    base = unit["base"]
+    per_step = base["steps"] + base["warmup"]
+    if unit["batch_sizes"] == "auto":
+        samples = _AUTO_SAMPLES * per_step
+    elif "search_dim" in unit:
+        samples = unit["batch_sizes"][0] * per_step * 8  # about 8 trials and points per size search
+    else:
+        samples = sum(unit["batch_sizes"]) * per_step
+    half = base["device"].split(":")[0] == "cpu" and base["precision"] != "fp32"
+    params = _parameters(base["model"], json.dumps(unit["size"], sort_keys=True))
+    return float(params * samples * (_CPU_HALF_FACTOR if half else 1))
+
+
+def _work(job_index: int, spec: dict) -> dict:
+    """One worker of a launch: claim configurations in cost order and run them into this worker's shard."""
+    from tqdm.auto import tqdm
+
+    from momlab import launch
+
+    worker = launch.enter_worker(job_index, spec["launch"], spec["device"])
+    claims = spec["claims"]
+    launch.claim(claims, f"worker-{worker['index']}", worker)  # who is who (pids), for humans and tests
+    env = environment(spec["device"])  # after enter_worker: its threads and GPU are what is stamped
+    runner = _Runner(spec["store"], env, spec["measure_fn"], spec["fresh_process"], spec["run"],
+                     tqdm(disable=True), shard=f"{spec['run_id']}-w{worker['index']}", worker=worker,
+                     claims=claims)
+    keys = {}
+    for i, unit in enumerate(spec["units"]):
+        if not launch.claim(claims, f"unit-{i}", worker):
+            continue
+        first = len(runner.keys)
+        _run_unit(runner, unit)
+        keys[i] = runner.keys[first:]
+        launch.claim(claims, f"done-{i}", worker)
+    return {"keys": keys, "measured": runner.measured, "skipped": runner.skipped, "worker": worker}
+
+
+def _sweep_launched(units: list[dict], store: Path, run: dict, device: str, measure_fn, fresh_process: bool,
+                    launch, progress: bool):
+    import shutil
+
+    from tqdm.auto import tqdm
+
+    from momlab import launch as launching
+
+    seen, unique = set(), []
+    for u in units:  # two scans can name one configuration (a listed value equal to the fixed one)
+        ident = json.dumps(u, sort_keys=True)
+        if ident not in seen:
+            seen.add(ident)
+            unique.append(u)
+    order = sorted(range(len(unique)), key=lambda i: -expected_cost(unique[i]))  # stable: ties keep plan order
+    rid = launching.run_id()
+    claims = shards_dir(store) / f"claims-{rid}"
+    folder = Path(launch.folder) if launch.folder else shards_dir(store) / f"jobs-{rid}"
+    spec = dict(units=[unique[i] for i in order], store=str(store), run=run, device=device, measure_fn=measure_fn,
+                fresh_process=fresh_process, launch=launch, claims=str(claims), run_id=rid)
+    watch = Store(store)
+    before = len(watch.keys())
+    bar = tqdm(total=len(unique), disable=not progress, unit="configuration", dynamic_ncols=True,
+               desc=f"{launch.workers} {launch.launcher} workers")
+
+    def poll() -> None:
+        bar.n = len(launching.claimed(claims, "done-"))
+        bar.set_postfix_str(f"{len(watch.keys()) - before} points recorded")
+        bar.refresh()
+
+    failures = ["interrupted"]
+    try:
+        jobs = launching.submit(_work, launch, folder, device, spec)
+        failures = launching.wait(jobs, poll)
+        outs = launching.results(jobs)
+    finally:
+        bar.close()
+        shutil.rmtree(claims, ignore_errors=True)  # a rerun claims afresh: these name a launch that is over
+        if not failures:
+            shutil.rmtree(folder, ignore_errors=True)  # logs are kept only where something went wrong
+        for path in (store, search_store_path(store)):
+            compact(path, prefix=rid)
+    if failures:
+        raise SweepIncomplete(f"{len(failures)} of {launch.jobs} jobs failed ({'; '.join(failures)}); the points "
+                              f"they finished are in {store}: run the same sweep again to measure the rest"
+                              f" (submitit logs: {folder})")
+    by_unit = {}
+    for out in outs:
+        for i, keys in out["keys"].items():
+            by_unit[order[i]] = keys
+    runner = _Runner(store, {}, None, False, run, None)
+    runner.keys = [k for i in sorted(by_unit) for k in by_unit[i]]
+    runner.measured = sum(o["measured"] for o in outs)
+    runner.skipped = sum(o["skipped"] for o in outs)
+    return runner
+
+
 def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str = "cpu", precision="fp32",
           size=None, sizes=None, steps: int = 3, warmup: int = 1, seed: int = 0, batch_step: int = 1,
           search_steps: int = 1, fresh_process: bool = False, store=None, name: str = "sweep",
-          params_file=None, progress: bool = True, measure_fn=None):
+          params_file=None, progress: bool = True, measure_fn=None, workers: int | None = None,
+          launch=None):
     """Measure a grid of configurations into a resumable store; return its records as a DataFrame.
 
     `models`, `moms`, `precision` and `budget` take one value or a list;
@@ -229,8 +431,18 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
     (recorded now or before), in plan order, as `momlab.results.load` gives;
     ``df.attrs`` says the store and how many points were measured now or skipped.
 
+    `workers` runs the configurations on that many local workers (one GPU
+    each, or a share of the cores); `launch` (a momlab.launch.Launch or a
+    mapping of its fields: launcher "slurm", partition, time_min,
+    gpus_per_job, threads, ...) says more. Neither given: this process, or
+    the launch in the environment variable MOMLAB_SWEEP_LAUNCH (JSON, as
+    ``make figures`` sets it). A `measure_fn` must then pickle (a module's
+    function, or "module:function").
+
     >>> df = sweep(["bert-base"], ["exact", "ckpt"], batch_sizes="auto", budget="64MiB",
     ...            size="tiny", name="smoke")  # doctest: +SKIP
+    >>> df = sweep(["bert-base", "gpt2"], ["exact", "ckpt"], batch_sizes=[1, 2], size="tiny",
+    ...            workers=2)  # doctest: +SKIP
     """
     models = _as_list("models", models)
     moms = _as_list("moms", moms)
@@ -238,69 +450,58 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
     budgets = [budget] if budget is None or isinstance(budget, (str, int)) else list(budget)
     _check(models, moms, batch_sizes, budgets, device, precisions, size, sizes, steps, warmup, seed, batch_step,
            search_steps, validate_names=measure_fn is None)
+    launch = _launch_of(workers, launch)
     store = Path(store) if store is not None else Path("results") / f"{name}.jsonl"
     run = {"name": name, "params_file": None if params_file is None else str(params_file)}
+    units = _plan(models, moms, batch_sizes, budgets, device, precisions, size, sizes, steps, warmup, seed,
+                  batch_step, search_steps)
+    if launch is not None:
+        runner = _sweep_launched(units, store, run, device, measure_fn, fresh_process, launch, progress)
+    else:
+        runner = _sweep_here(units, store, run, device, measure_fn, fresh_process, progress)
+    df = runner.frame()
+    df.attrs.update(store=str(store), measured=runner.measured, skipped=runner.skipped)
+    return df
 
+
+def _launch_of(workers, launch):
+    import os
+
+    from momlab.launch import ENV_VAR, Launch
+
+    if workers is None and launch is None:
+        if not os.environ.get(ENV_VAR):
+            return None
+        try:
+            launch = json.loads(os.environ[ENV_VAR])
+        except ValueError as exc:
+            raise ValueError(f"{ENV_VAR} must be a JSON mapping of launch options, got "
+                             f"{os.environ[ENV_VAR]!r}") from exc
+    launch = Launch() if launch is None else Launch.of(launch)
+    if workers is not None:
+        launch = Launch.of({**launch.to_dict(), "workers": workers})
+    return launch
+
+
+def _sweep_here(units: list[dict], store: Path, run: dict, device: str, measure_fn, fresh_process: bool,
+                progress: bool) -> _Runner:
     from tqdm.auto import tqdm
 
     env = environment(device)
     bar = tqdm(total=0, disable=not progress, unit="point", dynamic_ncols=True)
     runner = _Runner(store, env, measure_fn, fresh_process, run, bar)
-    sizes = sizes or {}
-    listed = [(dim, v) for dim, values in sizes.items() if values != "auto" for v in values]
-    searched = [dim for dim, values in sizes.items() if values == "auto"]
 
     def grow(n: int) -> None:
         bar.total += n
         bar.refresh()
 
-    configs = len(models) * len(precisions) * len(budgets) * len(moms) * (
-        (len(listed) if sizes else 1) + len(searched) * (0 if batch_sizes == "auto" else len(batch_sizes)))
-    done = 0
-
-    def next_config() -> None:
-        nonlocal done
-        done += 1
-        bar.set_postfix_str(f"configuration {done}/{configs}")
-
     try:
-        for model in models:
-            fixed = model_size(size, model)
-            # a scanned keyword replaces the fixed one; S1 sweeps scan only the batch
-            scans = [(dim, {**fixed, dim: v}) for dim, v in listed] if sizes else [("batch_size", fixed)]
-            for prec in precisions:
-                for bud in budgets:
-                    for mom in moms:
-                        base = dict(model=model, mom=mom, device=device, precision=prec, budget=bud, steps=steps,
-                                    warmup=warmup, seed=seed)
-                        for scan, sz in scans:
-                            next_config()
-                            if batch_sizes == "auto":
-                                s = max_batch_size(model, mom, budget=bud, device=device, precision=prec,
-                                                   step=batch_step, steps=search_steps, warmup=warmup,
-                                                   seed=seed, measure_fn=runner.cached_measure("batch_size"), **sz)
-                                batches = auto_points(s)
-                            else:
-                                batches = list(batch_sizes)
-                            grow(len(batches))
-                            for b in batches:
-                                runner.point({**base, "batch_size": b, "size": sz}, scan)
-                        for dim in searched:
-                            rest = {k: v for k, v in fixed.items() if k != dim}
-                            for b in batch_sizes:
-                                next_config()
-                                s = max_model_size(model, mom, dim=dim, batch_size=b, budget=bud, device=device,
-                                                   precision=prec, steps=search_steps, warmup=warmup,
-                                                   seed=seed, measure_fn=runner.cached_measure(dim), **rest)
-                                values = auto_points(s)
-                                grow(len(values))
-                                for v in values:
-                                    runner.point({**base, "batch_size": b, "size": {**rest, dim: v}}, dim)
+        for done, unit in enumerate(units, start=1):
+            bar.set_postfix_str(f"configuration {done}/{len(units)}")
+            _run_unit(runner, unit, grow)
     finally:
         bar.close()
-    df = runner.frame()
-    df.attrs.update(store=str(store), measured=runner.measured, skipped=runner.skipped)
-    return df
+    return runner
 
 
 def read_params(path) -> dict:
@@ -377,11 +578,20 @@ def cli_search(args) -> int:
 
 
 def cli_sweep(args) -> int:
-    """python -m momlab sweep params/FILE.yaml [--store PATH] [--no-progress]"""
+    """python -m momlab sweep params/FILE.yaml [--store PATH] [--no-progress] [--workers N [--launcher slurm ...]]"""
+    from momlab.launch import from_args
+
     overrides = {"progress": not args.no_progress}
     if args.store is not None:
         overrides["store"] = args.store
-    df = sweep_from_file(args.params, **overrides)
+    launch = from_args(args)
+    if launch is not None:
+        overrides["launch"] = launch
+    try:
+        df = sweep_from_file(args.params, **overrides)
+    except SweepIncomplete as exc:
+        print(f"python -m momlab sweep: {exc}", file=sys.stderr)
+        return 1
     fits = int(df["fits"].sum()) if len(df) else 0
     print(f"{len(df)} points ({fits} fit, {len(df) - fits} out of memory) in {df.attrs['store']}; "
           f"{df.attrs['measured']} measured now, {df.attrs['skipped']} already recorded")
@@ -413,4 +623,7 @@ def add_subparsers(subparsers) -> None:
     q.add_argument("params", help="YAML parameter file (keys: " + ", ".join(FILE_KEYS) + ")")
     q.add_argument("--store", default=None, help="results store path (overrides the file)")
     q.add_argument("--no-progress", action="store_true")
+    from momlab.launch import add_flags  # no submitit import: that waits for a launch
+
+    add_flags(q)
     q.set_defaults(func=cli_sweep)
