@@ -155,25 +155,30 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
 
 @contextmanager
-def _kernels(kernels: str):
+def _kernels(kernels: str, tracer=None):
     """While tracing for a GPU, `scaled_dot_product_attention` runs CUDA's kernel (`_cuda_sdpa`).
 
     The CPU kernel choice is not an op a dispatch mode sees, and a torch
     function mode around sdpa is not active while backward recomputes a
     checkpointed block; overriding sdpa's composite kernel at the dispatcher
     is seen by both. The override is process-wide while it lasts (`_LOCK`
-    keeps traces one at a time) and removed on exit.
+    keeps traces one at a time) and removed on exit. It also hands `tracer` to quant (`quant.TRACE_KERNEL`),
+    whose encode and decode are one compiled kernel each on CUDA.
     """
     if kernels != "cuda":
         yield
         return
+    from momlab.moms import quant
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
         lib = torch.library.Library("aten", "IMPL")
         lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
+    quant.TRACE_KERNEL = tracer.kernel if tracer is not None else None
     try:
         yield
     finally:
+        quant.TRACE_KERNEL = None
         lib._destroy()
 
 
@@ -236,11 +241,28 @@ class _Tracer(StorageTracker):
         self.log = None
 
     def start(self) -> None:
-        self.log = {"live": [self.device_bytes], "flops": [], "extra": [], "bytes": [], "fmt": [], "op": []}
+        self.log = {"live": [self.device_bytes], "flops": [], "extra": [], "bytes": [], "fmt": [], "op": [],
+                    "group": [], "group_bytes": []}
+        self.group = -1
 
     def stop(self) -> dict:
         log, self.log = self.log, None
         return log
+
+    def kernel(self, fn, *args):
+        """Run `fn` (a function of tensors a GPU runs as one compiled kernel: quant's encode and decode) and
+        log its ops as one group, whose traffic is its tensor arguments and results (`quant.TRACE_KERNEL`)."""
+        if self.log is None or self.group >= 0:
+            return fn(*args)
+        self.group = len(self.log["group_bytes"])
+        self.log["group_bytes"].append(0.0)
+        try:
+            out = fn(*args)
+        finally:
+            gid, self.group = self.group, -1
+        tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
+        self.log["group_bytes"][gid] = float(sum(map(_nbytes, tensors)))
+        return out
 
     def _run(self, func, args, kwargs):
         if torch.Tag.nondeterministic_seeded in func.tags and not any(
@@ -288,6 +310,7 @@ class _Tracer(StorageTracker):
         log["bytes"].append(moved)
         log["fmt"].append(fmt)
         log["op"].append(_OP_IDS.setdefault(str(func), len(_OP_IDS)))
+        log["group"].append(self.group)
         return out
 
 
@@ -308,6 +331,10 @@ class Probe:
     fmt: np.ndarray  # per op, FMT_*
     ops: np.ndarray  # per op, an id of the aten op (to check two traces align)
     seconds: float = 0.0  # how long tracing took
+    forward_ops: int = 0  # how many of the ops are forward's (then backward's, then the optimizer's)
+    backward_ops: int = 0  # how many are forward's and backward's (the optimizer's follow)
+    group: np.ndarray | None = None  # per op, the fused kernel it is part of (-1: none; see `_Tracer.kernel`)
+    group_bytes: np.ndarray | None = None  # per fused kernel, the bytes it reads and writes
 
     @property
     def peak_bytes(self) -> int:
@@ -342,7 +369,7 @@ class _Session:
                 self.w.scaler = _FiniteScaler(self.w.scaler)
             self.tracer = _Tracer(fake_mode, kernels)
             # as measure: weights on the books, one warm-up step creates the optimizer state
-            with _kernels(kernels), self.tracer:
+            with _kernels(kernels, self.tracer), self.tracer:
                 self.tracer.track(self.w.state_tensors()["params"])
                 self.w.step()
         self.build_seconds = time.perf_counter() - t0
@@ -354,14 +381,16 @@ class _Session:
 
         def forward_end():
             state["live"], state["host"] = tracer.device_bytes, tracer.host_bytes
+            state["fwd_ops"] = len(tracer.log["flops"])  # the time model overlaps swap copies per phase
 
         def backward_end():
             state["grads"] = unique_storage_bytes(w.state_tensors()["grads"])
+            state["bwd_ops"] = len(tracer.log["flops"])
 
         with _LOCK:
             w.batch_size = batch_size
             gc.collect()
-            with _kernels(self.kernels), tracer:
+            with _kernels(self.kernels, tracer), tracer:
                 tracer.reset_peak()
                 tracer.start()
                 try:
@@ -374,7 +403,8 @@ class _Session:
             state["grads"], state["live"], state["host"], np.asarray(log["live"], dtype=np.int64),
             np.asarray(log["flops"], dtype=np.float64), np.asarray(log["extra"], dtype=np.float64),
             np.asarray(log["bytes"], dtype=np.float64), np.asarray(log["fmt"], dtype=np.int8),
-            np.asarray(log["op"], dtype=np.int32), time.perf_counter() - t0)
+            np.asarray(log["op"], dtype=np.int32), time.perf_counter() - t0, state["fwd_ops"], state["bwd_ops"],
+            np.asarray(log["group"], dtype=np.int32), np.asarray(log["group_bytes"], dtype=np.float64))
 
 
 # -- profiles: two traces, any batch ------------------------------------------------------
@@ -434,7 +464,9 @@ class Profile:
             int(round(lerp(lo.forward_live, hi.forward_live))), int(round(lerp(lo.forward_host, hi.forward_host))),
             np.rint(lerp(lo.live.astype(np.float64), hi.live.astype(np.float64))).astype(np.int64),
             np.maximum(0.0, lerp(lo.flops, hi.flops)), np.maximum(0.0, lerp(lo.extra_flops, hi.extra_flops)),
-            np.maximum(0.0, lerp(lo.bytes, hi.bytes)), lo.fmt, lo.ops)
+            np.maximum(0.0, lerp(lo.bytes, hi.bytes)), lo.fmt, lo.ops, forward_ops=lo.forward_ops,
+            backward_ops=lo.backward_ops, group=lo.group,
+            group_bytes=None if lo.group_bytes is None else np.maximum(0.0, lerp(lo.group_bytes, hi.group_bytes)))
 
     def peak_bytes(self, batch_sizes) -> np.ndarray:
         """Predicted peak at each of `batch_sizes` (vectorized)."""
@@ -520,16 +552,21 @@ def clear_cache() -> None:
 
 # where traced profiles are kept between processes (a notebook kernel, the command line); None: nowhere
 TRACE_CACHE: Path | None = ROOT / "build" / "cache" / "traces"
-_DISK_FORMAT = 1
+_DISK_FORMAT = 2
 _SCALARS = ("batch_size", "params_bytes", "optimizer_bytes", "grads_bytes", "forward_live", "forward_host",
-            "seconds")
-_ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops")
+            "seconds", "forward_ops", "backward_ops")
+_ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops", "group", "group_bytes")
+
+
+# modules a trace never runs: the time model reads traces, validation and plots read estimates; gpus:
+# a trace depends only on its `kernels`, which is in the key
+_UNTRACED = frozenset({"timemodel.py", "validation.py", "plots.py", "whatif.py", "gpus.py"})
 
 
 def _source_digest(package: Path) -> str:
-    """sha256 over every .py file of `package`, names and contents: any edit of momlab changes it."""
+    """sha256 over every .py file of `package` a trace may run, names and contents: any edit of those changes it."""
     h = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
+    for path in sorted(p for p in package.rglob("*.py") if p.relative_to(package).as_posix() not in _UNTRACED):
         h.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -597,9 +634,11 @@ def _trace_at(model, mom, precision, size, batch_size, kernels) -> Probe:
     return profile(model, mom, precision=precision, kernels=kernels, **size).at(batch_size)
 
 
-def calibrate(gpu: str, *, results=None, max_records: int = 4, quick: bool = True) -> Calibration:
+def calibrate(gpu: str, *, results=None, max_records: int = 4, quick: bool = True,
+              reference: bool = True) -> Calibration:
     """`momlab.timemodel.calibrate` with this module's traces (see it)."""
-    return timemodel.calibrate(gpu, trace=_trace_at, results=results, max_records=max_records, quick=quick)
+    return timemodel.calibrate(gpu, trace=_trace_at, results=results, max_records=max_records, quick=quick,
+                               reference=reference)
 
 
 # -- estimates -------------------------------------------------------------------------------
@@ -616,8 +655,10 @@ class Estimate:
     ``flops`` as torch's FlopCounterMode counts them on the target's kernels
     (on `cpu`, attention is not counted: torch's counter does not see the CPU
     attention kernel). ``calibrated``: the efficiency was fitted from
-    measurements of this device. ``interpolated``: the batch was read off two
-    traces rather than traced itself.
+    measurements of this device (``calibration``: from what;
+    ``calibration_error``: the fit's median relative error on its records,
+    ``calibration_records``: which). ``interpolated``: the batch was read off
+    two traces rather than traced itself.
     """
 
     model: str
@@ -646,6 +687,8 @@ class Estimate:
     interpolated: bool = True
     time: dict = field(default_factory=dict)
     calibration: str = ""
+    calibration_error: float = math.nan  # median relative error of the calibration's fit on its records
+    calibration_records: tuple = ()  # the measured configurations the calibration was fitted on
 
     @property
     def device(self) -> str:
@@ -682,7 +725,8 @@ def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kern
         throughput=p.batch_size / t.step_time_s if fits else math.nan, flops=int(round(flops)),
         calibrated=cal.calibrated, capacity_bytes=capacity, efficiency=cal.efficiency,
         bytes_moved=int(p.bytes.sum()), kernels=kernels, interpolated=interpolated,
-        time={k: v for k, v in asdict(t).items() if k != "step_time_s"}, calibration=cal.source)
+        time={k: v for k, v in asdict(t).items() if k != "step_time_s"}, calibration=cal.source,
+        calibration_error=cal.error, calibration_records=tuple(cal.fitted_on))
 
 
 def _prepare(model, mom, gpu, precision, tf32, size):
