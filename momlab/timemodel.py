@@ -213,6 +213,15 @@ class Calibration:
     def params(self) -> dict:
         return {**self.compute_efficiency, "memory": self.memory_efficiency, "launch": self.launch_s}
 
+    def describe(self) -> str:
+        """Where the step times come from, in one line (what-if shows it under its figure)."""
+        if not self.calibrated:
+            return self.source
+        fitted = ", ".join(f"{k} {self.params()[k]:.3g}" if k != "launch" else f"launch {self.launch_s * 1e6:.1f} us"
+                           for k in self.fitted if k in self.params())
+        return (f"calibrated on {self.source}; fitted {fitted or ', '.join(self.fitted)}; "
+                f"median fit error {self.error:.0%}")
+
 
 def default_calibration(g: Gpu, source: str | None = None) -> Calibration:
     """The uncalibrated parameters of `g`: `DEFAULT_EFFICIENCY` everywhere, the catalog's launch cost."""
