@@ -144,3 +144,44 @@ def test_calibration_never_uses_mom_records(tmp_path):
     (tmp_path / "a100.jsonl").write_text(json.dumps(rec) + "\n")
     cal = calibrate("A100-40", results=tmp_path)
     assert not cal.calibrated and math.isnan(cal.error)
+
+
+def test_crossing_is_where_the_difference_changes_sign():
+    import pandas as pd
+
+    from momlab.validation import crossing
+
+    d = pd.DataFrame({"mom": ["exact"] * 3 + ["ckpt"] * 3, "num_layers": [30, 34, 38] * 2,
+                      "t": [124.0, 99.0, 67.0, 117.0, 103.0, 91.0]})
+    # 30: -7, 34: +4 -> 30 + 4 * 7 / 11
+    assert crossing(d, "t") == pytest.approx(30 + 4 * 7 / 11)
+    assert math.isnan(crossing(d.assign(t=[1.0, 1.0, 1.0, 0.5, 0.5, 0.5]), "t"))
+
+
+def test_predicted_vs_paper_draws_points_and_lines():
+    import pandas as pd
+
+    from momlab import plots
+
+    c = pd.DataFrame({"model": "bert-large", "mom": ["exact"] * 3 + ["ckpt"] * 3, "batch_size": [8, 16, 32] * 2,
+                      "paper_throughput": [100.0, 150.0, float("nan"), 80, 120, 130],
+                      "pred_throughput": [110.0, 160.0, 170.0, 85, 125, 135],
+                      "pred_fits": [True, True, False, True, True, True]})
+    fig = plots.predicted_vs_paper(c, calibration="calibrated on test")
+    ax = fig.axes[0]
+    lines = [ln for ln in ax.get_lines() if len(ln.get_xdata())]
+    assert [list(ln.get_xdata()) for ln in lines] == [[8, 16], [8, 16], [16, 32], [8, 16, 32], [8, 16, 32]]
+    assert "calibrated on test" in fig.get_suptitle().replace("\n", " ")
+
+
+@pytest.mark.slow
+def test_v100_calibration_on_the_paper_exact_runs_is_physical():
+    """The fit on the paper's Exact curves (real-size traces: minutes on a cold cache)."""
+    from momlab.estimate import calibrate
+
+    cal = calibrate("V100-16", results=[])
+    assert cal.calibrated and cal.records >= 150 and "paper V100-16GB" in cal.source
+    assert all(0 < v <= 1.0 for k, v in cal.params().items() if k != "launch")
+    assert 1e-7 <= cal.launch_s <= 1e-3 and cal.error < 0.25
+    assert all(label.split()[0] in ("resnet50", "wide-resnet50-2", "resnet152", "swin-large", "bert-large",
+                                    "gpt3-small", "gpt3-medium") for label in cal.fitted_on)
