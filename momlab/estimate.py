@@ -33,21 +33,13 @@ process and on disk (build/cache/traces, see `TRACE_CACHE`): a trace costs
 about 1.1 ms an op (bert-large: 2,000 ops a step, three steps), reading it
 back about ten milliseconds (a new process: a notebook kernel, the CLI).
 
-Time is a roofline per operation, summed: each op costs ``max(flops / peak
-FLOP/s of its number format, bytes read and written / memory bandwidth)``,
-divided by an efficiency factor, plus a per-op launch cost; recomputation
-(checkpointing) and quantization kernels are ops of the trace like any other,
-and swapping adds ``2 * host_bytes`` over the host link (overlapped with
-compute, as swap prefetches). The efficiency is fitted from measured records
-of the same device (`calibrate`); without any, a default is used and the
-estimate says ``calibrated=False``. It is the approach of Paleo (Qi et al.,
-2017) with the graph traced rather than described by hand.
+Time comes from momlab.timemodel (a roofline per traced op, calibrated on
+measured records of the device); the traces here are its input.
 """
 
 from __future__ import annotations
 
 import gc
-import glob
 import hashlib
 import json
 import math
@@ -72,17 +64,19 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from momlab import catalog
-from momlab.gpus import DEFAULT_EFFICIENCY, Gpu
+from momlab.gpus import Gpu
 from momlab.gpus import get as get_gpu
 from momlab.gpus import gpus as gpu_names
 from momlab.accounting import StorageTracker, unique_storage_bytes
+from momlab import timemodel
 from momlab.errors import check_choice
 from momlab.units import format_bytes, parse_bytes
+from momlab.timemodel import (  # noqa: F401  (re-exported: callers have imported them from here)
+    QUICK_CPU, Calibration, StepTime, _peaks, _result_files, _roofline, step_time)
 from momlab.workload import PRECISIONS, build, check_batch_size, parse_mom
 
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "results"
 
 # the batch sizes a profile is traced at: the first two that run the same ops (a batch of one is
 # avoided: some code squeezes it; quantization packs only tensors of >= 1024 values, so a tiny model's
@@ -161,25 +155,30 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
 
 
 @contextmanager
-def _kernels(kernels: str):
+def _kernels(kernels: str, tracer=None):
     """While tracing for a GPU, `scaled_dot_product_attention` runs CUDA's kernel (`_cuda_sdpa`).
 
     The CPU kernel choice is not an op a dispatch mode sees, and a torch
     function mode around sdpa is not active while backward recomputes a
     checkpointed block; overriding sdpa's composite kernel at the dispatcher
     is seen by both. The override is process-wide while it lasts (`_LOCK`
-    keeps traces one at a time) and removed on exit.
+    keeps traces one at a time) and removed on exit. It also hands `tracer` to quant (`quant.TRACE_KERNEL`),
+    whose encode and decode are one compiled kernel each on CUDA.
     """
     if kernels != "cuda":
         yield
         return
+    from momlab.moms import quant
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
         lib = torch.library.Library("aten", "IMPL")
         lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
+    quant.TRACE_KERNEL = tracer.kernel if tracer is not None else None
     try:
         yield
     finally:
+        quant.TRACE_KERNEL = None
         lib._destroy()
 
 
@@ -242,11 +241,28 @@ class _Tracer(StorageTracker):
         self.log = None
 
     def start(self) -> None:
-        self.log = {"live": [self.device_bytes], "flops": [], "extra": [], "bytes": [], "fmt": [], "op": []}
+        self.log = {"live": [self.device_bytes], "flops": [], "extra": [], "bytes": [], "fmt": [], "op": [],
+                    "group": [], "group_bytes": []}
+        self.group = -1
 
     def stop(self) -> dict:
         log, self.log = self.log, None
         return log
+
+    def kernel(self, fn, *args):
+        """Run `fn` (a function of tensors a GPU runs as one compiled kernel: quant's encode and decode) and
+        log its ops as one group, whose traffic is its tensor arguments and results (`quant.TRACE_KERNEL`)."""
+        if self.log is None or self.group >= 0:
+            return fn(*args)
+        self.group = len(self.log["group_bytes"])
+        self.log["group_bytes"].append(0.0)
+        try:
+            out = fn(*args)
+        finally:
+            gid, self.group = self.group, -1
+        tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
+        self.log["group_bytes"][gid] = float(sum(map(_nbytes, tensors)))
+        return out
 
     def _run(self, func, args, kwargs):
         if torch.Tag.nondeterministic_seeded in func.tags and not any(
@@ -294,6 +310,7 @@ class _Tracer(StorageTracker):
         log["bytes"].append(moved)
         log["fmt"].append(fmt)
         log["op"].append(_OP_IDS.setdefault(str(func), len(_OP_IDS)))
+        log["group"].append(self.group)
         return out
 
 
@@ -314,6 +331,10 @@ class Probe:
     fmt: np.ndarray  # per op, FMT_*
     ops: np.ndarray  # per op, an id of the aten op (to check two traces align)
     seconds: float = 0.0  # how long tracing took
+    forward_ops: int = 0  # how many of the ops are forward's (then backward's, then the optimizer's)
+    backward_ops: int = 0  # how many are forward's and backward's (the optimizer's follow)
+    group: np.ndarray | None = None  # per op, the fused kernel it is part of (-1: none; see `_Tracer.kernel`)
+    group_bytes: np.ndarray | None = None  # per fused kernel, the bytes it reads and writes
 
     @property
     def peak_bytes(self) -> int:
@@ -348,7 +369,7 @@ class _Session:
                 self.w.scaler = _FiniteScaler(self.w.scaler)
             self.tracer = _Tracer(fake_mode, kernels)
             # as measure: weights on the books, one warm-up step creates the optimizer state
-            with _kernels(kernels), self.tracer:
+            with _kernels(kernels, self.tracer), self.tracer:
                 self.tracer.track(self.w.state_tensors()["params"])
                 self.w.step()
         self.build_seconds = time.perf_counter() - t0
@@ -360,14 +381,16 @@ class _Session:
 
         def forward_end():
             state["live"], state["host"] = tracer.device_bytes, tracer.host_bytes
+            state["fwd_ops"] = len(tracer.log["flops"])  # the time model overlaps swap copies per phase
 
         def backward_end():
             state["grads"] = unique_storage_bytes(w.state_tensors()["grads"])
+            state["bwd_ops"] = len(tracer.log["flops"])
 
         with _LOCK:
             w.batch_size = batch_size
             gc.collect()
-            with _kernels(self.kernels), tracer:
+            with _kernels(self.kernels, tracer), tracer:
                 tracer.reset_peak()
                 tracer.start()
                 try:
@@ -380,7 +403,8 @@ class _Session:
             state["grads"], state["live"], state["host"], np.asarray(log["live"], dtype=np.int64),
             np.asarray(log["flops"], dtype=np.float64), np.asarray(log["extra"], dtype=np.float64),
             np.asarray(log["bytes"], dtype=np.float64), np.asarray(log["fmt"], dtype=np.int8),
-            np.asarray(log["op"], dtype=np.int32), time.perf_counter() - t0)
+            np.asarray(log["op"], dtype=np.int32), time.perf_counter() - t0, state["fwd_ops"], state["bwd_ops"],
+            np.asarray(log["group"], dtype=np.int32), np.asarray(log["group_bytes"], dtype=np.float64))
 
 
 # -- profiles: two traces, any batch ------------------------------------------------------
@@ -440,7 +464,9 @@ class Profile:
             int(round(lerp(lo.forward_live, hi.forward_live))), int(round(lerp(lo.forward_host, hi.forward_host))),
             np.rint(lerp(lo.live.astype(np.float64), hi.live.astype(np.float64))).astype(np.int64),
             np.maximum(0.0, lerp(lo.flops, hi.flops)), np.maximum(0.0, lerp(lo.extra_flops, hi.extra_flops)),
-            np.maximum(0.0, lerp(lo.bytes, hi.bytes)), lo.fmt, lo.ops)
+            np.maximum(0.0, lerp(lo.bytes, hi.bytes)), lo.fmt, lo.ops, forward_ops=lo.forward_ops,
+            backward_ops=lo.backward_ops, group=lo.group,
+            group_bytes=None if lo.group_bytes is None else np.maximum(0.0, lerp(lo.group_bytes, hi.group_bytes)))
 
     def peak_bytes(self, batch_sizes) -> np.ndarray:
         """Predicted peak at each of `batch_sizes` (vectorized)."""
@@ -519,23 +545,28 @@ def clear_cache() -> None:
     """Forget every trace and calibration cached in this process (the traces on disk stay)."""
     with _LOCK:
         _PROFILES.clear()
-        _CALIBRATIONS.clear()
+    timemodel.clear_cache()
 
 
 # -- traces on disk ------------------------------------------------------------------------
 
 # where traced profiles are kept between processes (a notebook kernel, the command line); None: nowhere
 TRACE_CACHE: Path | None = ROOT / "build" / "cache" / "traces"
-_DISK_FORMAT = 1
+_DISK_FORMAT = 2
 _SCALARS = ("batch_size", "params_bytes", "optimizer_bytes", "grads_bytes", "forward_live", "forward_host",
-            "seconds")
-_ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops")
+            "seconds", "forward_ops", "backward_ops")
+_ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops", "group", "group_bytes")
+
+
+# modules a trace never runs: the time model reads traces, validation and plots read estimates; gpus:
+# a trace depends only on its `kernels`, which is in the key
+_UNTRACED = frozenset({"timemodel.py", "validation.py", "plots.py", "whatif.py", "gpus.py"})
 
 
 def _source_digest(package: Path) -> str:
-    """sha256 over every .py file of `package`, names and contents: any edit of momlab changes it."""
+    """sha256 over every .py file of `package` a trace may run, names and contents: any edit of those changes it."""
     h = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
+    for path in sorted(p for p in package.rglob("*.py") if p.relative_to(package).as_posix() not in _UNTRACED):
         h.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -598,207 +629,16 @@ def _load(path: Path, key: dict) -> list[Probe] | None:
         return None
 
 
-# -- time ------------------------------------------------------------------------------------
-
-def _peaks(gpu: Gpu, tf32: bool) -> np.ndarray:
-    """Peak FLOP/s indexed by FMT_*: fp32 matmul, fp32 convolution, bf16, fp16."""
-    fp32 = gpu.peak("fp32")
-    t32 = gpu.peak("tf32")
-    # PyTorch's defaults: cuDNN convolutions may use tf32, matmuls only with allow_tf32 (our `tf32`)
-    conv = t32 if (t32 and gpu.kernels == "cuda") else fp32
-    mm = t32 if (tf32 and t32) else fp32
-    return np.array([mm, conv, gpu.peak("bf16") or fp32, gpu.peak("fp16") or fp32], dtype=np.float64)
+def _trace_at(model, mom, precision, size, batch_size, kernels) -> Probe:
+    """The traced step of one configuration (the time model's `trace`)."""
+    return profile(model, mom, precision=precision, kernels=kernels, **size).at(batch_size)
 
 
-@dataclass(frozen=True)
-class StepTime:
-    """Predicted step time and its parts (seconds)."""
-
-    step_time_s: float
-    ideal_s: float  # sum over ops of the roofline time, at 100% efficiency
-    compute_bound_s: float  # part of ideal_s in ops limited by FLOP/s
-    memory_bound_s: float  # part of ideal_s in ops limited by bandwidth
-    launch_s: float  # op count times the per-op launch cost
-    transfer_s: float  # swap traffic over the host link
-    ops: int
-
-
-def _roofline(p: Probe, gpu, tf32: bool):
-    peaks = _peaks(gpu, tf32)
-    compute = (p.flops + p.extra_flops) / peaks[p.fmt.astype(np.int64)]
-    memory = p.bytes / gpu.memory_bandwidth
-    return compute, memory
-
-
-def step_time(p: Probe, gpu: Gpu, cal: "Calibration", *, tf32: bool = False) -> StepTime:
-    """Roofline per op, over the efficiency, plus launches and swap traffic (module docstring)."""
-    compute, memory = _roofline(p, gpu, tf32)
-    per_op = np.maximum(compute, memory)
-    ideal = float(per_op.sum())
-    n = len(per_op)
-    launch = n * cal.launch_s
-    transfer = 2.0 * p.host_bytes / gpu.host_bandwidth if gpu.kernels == "cuda" else 0.0
-    busy = ideal / cal.efficiency
-    if gpu.kernels == "cuda":  # the host launches asynchronously; copies run on their own streams
-        total = max(busy, launch, transfer)
-    else:  # a CPU does one thing at a time (swap copies are ops of the trace here)
-        total = busy + launch
-    return StepTime(total, ideal, float(per_op[compute >= memory].sum()), float(per_op[compute < memory].sum()),
-                    launch, transfer, n)
-
-
-# -- calibration -----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Calibration:
-    """How a device's roofline maps to measured step times.
-
-    ``efficiency``: measured time = ideal roofline time / efficiency (plus
-    ``launch_s`` per op). ``calibrated``: fitted from measurements of this
-    device (``source`` says which); False: defaults. ``error``: the median
-    relative error of the fit on the records it used.
-    """
-
-    gpu: str
-    efficiency: float
-    launch_s: float
-    calibrated: bool
-    source: str
-    records: int = 0
-    error: float = math.nan
-
-
-_CALIBRATIONS: dict[tuple, Calibration] = {}
-
-# the quick calibration of `cpu`: one tiny step (launch-bound) and one small one (compute-bound)
-QUICK_CPU = (("bert-base", {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "seq_len": 32}, 4),
-             ("bert-base", {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "seq_len": 128}, 8))
-
-
-def _result_files(results) -> list[str]:
-    if results is None:
-        return sorted(glob.glob(str(RESULTS / "*.jsonl")))
-    if isinstance(results, (str, os.PathLike)):
-        p = Path(results)
-        return sorted(glob.glob(str(p / "*.jsonl"))) if p.is_dir() else [str(p)]
-    return [str(p) for p in results]
-
-
-def _records_of(gpu_name: str, files: list[str]) -> list[dict]:
-    from momlab.results import read_records
-
-    gpu = get_gpu(gpu_name)
-    device = "cpu" if gpu_name == "cpu" else "cuda"
-    out, seen = [], set()
-    for path in files:
-        for rec in read_records(path):
-            env = rec.get("env") or {}
-            if env.get("device") != device or not gpu.matches(env.get("device_name")):
-                continue
-            if gpu_name == "cpu" and env.get("threads") not in (None, torch.get_num_threads()):
-                continue
-            t = rec.get("step_time_s")
-            if not rec.get("fits") or t is None or not math.isfinite(t) or t <= 0:
-                continue
-            key = (rec["model"], rec["mom"], rec["precision"], tuple(sorted((rec.get("size") or {}).items())),
-                   rec["batch_size"])
-            if key not in seen:  # the first record of a configuration (a sweep records each once)
-                seen.add(key)
-                out.append(rec)
-    return out
-
-
-def _pick(records: list[dict], n: int) -> list[dict]:
-    """Up to `n` records spread over the range of work (cheapest configurations first among ties)."""
-    records = sorted(records, key=lambda r: (r.get("flops") or 0, r["batch_size"]))
-    if len(records) <= n:
-        return records
-    idx = np.unique(np.linspace(0, len(records) - 1, n).round().astype(int))
-    return [records[i] for i in idx]
-
-
-def _fit(gpu: Gpu, points: list[tuple[float, int, float]], name: str, source: str) -> Calibration:
-    """Fit efficiency (and on cpu the per-op cost) to (ideal_s, ops, measured_s) points."""
-    ideal = np.array([p[0] for p in points])
-    ops = np.array([p[1] for p in points], dtype=np.float64)
-    measured = np.array([p[2] for p in points])
-    if gpu.kernels == "cpu" and len(points) >= 2 and np.ptp(ideal / ops) > 0:
-        # measured = ideal / eff + ops * launch: least squares on the relative error, both terms >= 0
-        A = np.stack([ideal, ops], axis=1) / measured[:, None]
-        (k, launch), *_ = np.linalg.lstsq(A, np.ones_like(measured), rcond=None)
-        if k <= 0:
-            k, launch = float(np.median(measured / ideal)), 0.0
-        elif launch < 0:
-            k, launch = float(np.median(measured / ideal)), 0.0
-    else:
-        launch = gpu.launch_s
-        k = float(np.median((measured - (ops * launch if gpu.kernels == "cpu" else 0)) / ideal))
-    k = max(k, 1e-3)
-    pred = ideal * k + (ops * launch if gpu.kernels == "cpu" else 0)
-    if gpu.kernels == "cuda":
-        pred = np.maximum(ideal * k, ops * launch)
-    err = float(np.median(np.abs(pred - measured) / measured))
-    return Calibration(name, 1.0 / k, float(launch), True, source, len(points), err)
-
-
-def _ideal(model, mom, precision, size, batch_size, gpu, tf32=False) -> tuple[float, int]:
-    prof = profile(model, mom, precision=precision, kernels=gpu.kernels, **size)
-    p = prof.at(batch_size)
-    compute, memory = _roofline(p, gpu, tf32)
-    return float(np.maximum(compute, memory).sum()), len(p.flops)
-
-
-def calibrate(gpu: str, *, results=None, max_records: int = 4, quick: bool = True) -> Calibration:
-    """The efficiency of `gpu`, fitted from measured records of it in `results` (default results/*.jsonl).
-
-    A record counts when its ``env.device_name`` matches the device (for
-    `cpu`: this machine's CPU model and thread count), it fitted and has a
-    step time. Up to `max_records` configurations, spread over the range of
-    work, are traced and fitted. `cpu` without records is calibrated by
-    measuring `QUICK_CPU` (a few seconds) when `quick`; a GPU without records
-    gets the default efficiency, ``calibrated=False``. Cached per process.
-    """
-    g = get_gpu(gpu)
-    files = _result_files(results)
-    stamp = tuple((f, os.path.getmtime(f), os.path.getsize(f)) for f in files if os.path.exists(f))
-    key = (gpu, stamp, max_records, quick, torch.get_num_threads() if gpu == "cpu" else None)
-    with _LOCK:
-        if key in _CALIBRATIONS:
-            return _CALIBRATIONS[key]
-        records = _pick(_records_of(gpu, files), max_records)
-        points = []
-        for r in records:
-            ideal, n = _ideal(r["model"], r["mom"], r["precision"], r.get("size") or {}, r["batch_size"], g)
-            points.append((ideal, n, float(r["step_time_s"])))
-        if points:
-            cal = _fit(g, points, gpu, f"{len(points)} measured record(s) in {', '.join(map(_short, files))}")
-        elif gpu == "cpu" and quick:
-            cal = _quick_cpu(g)
-        else:
-            cal = Calibration(gpu, DEFAULT_EFFICIENCY, g.launch_s, False,
-                              "uncalibrated: no measured records of this device (default efficiency "
-                              f"{DEFAULT_EFFICIENCY})")
-        _CALIBRATIONS[key] = cal
-    return cal
-
-
-def _short(path: str) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(ROOT))
-    except ValueError:
-        return str(path)
-
-
-def _quick_cpu(g: Gpu) -> Calibration:
-    from momlab.measure import measure
-
-    points = []
-    for model, size, batch in QUICK_CPU:
-        m = measure(model, batch_size=batch, steps=3, warmup=1, **size)
-        ideal, n = _ideal(model, "exact", "fp32", size, batch, g)
-        points.append((ideal, n, m.step_time_s))
-    return _fit(g, points, "cpu", "quick calibration: measured " + ", ".join(
-        f"{m} batch {b} ({s['hidden_size']} wide)" for m, s, b in QUICK_CPU))
+def calibrate(gpu: str, *, results=None, max_records: int = 4, quick: bool = True,
+              reference: bool = True) -> Calibration:
+    """`momlab.timemodel.calibrate` with this module's traces (see it)."""
+    return timemodel.calibrate(gpu, trace=_trace_at, results=results, max_records=max_records, quick=quick,
+                               reference=reference)
 
 
 # -- estimates -------------------------------------------------------------------------------
@@ -815,8 +655,10 @@ class Estimate:
     ``flops`` as torch's FlopCounterMode counts them on the target's kernels
     (on `cpu`, attention is not counted: torch's counter does not see the CPU
     attention kernel). ``calibrated``: the efficiency was fitted from
-    measurements of this device. ``interpolated``: the batch was read off two
-    traces rather than traced itself.
+    measurements of this device (``calibration``: from what;
+    ``calibration_error``: the fit's median relative error on its records,
+    ``calibration_records``: which). ``interpolated``: the batch was read off
+    two traces rather than traced itself.
     """
 
     model: str
@@ -845,6 +687,8 @@ class Estimate:
     interpolated: bool = True
     time: dict = field(default_factory=dict)
     calibration: str = ""
+    calibration_error: float = math.nan  # median relative error of the calibration's fit on its records
+    calibration_records: tuple = ()  # the measured configurations the calibration was fitted on
 
     @property
     def device(self) -> str:
@@ -881,7 +725,8 @@ def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kern
         throughput=p.batch_size / t.step_time_s if fits else math.nan, flops=int(round(flops)),
         calibrated=cal.calibrated, capacity_bytes=capacity, efficiency=cal.efficiency,
         bytes_moved=int(p.bytes.sum()), kernels=kernels, interpolated=interpolated,
-        time={k: v for k, v in asdict(t).items() if k != "step_time_s"}, calibration=cal.source)
+        time={k: v for k, v in asdict(t).items() if k != "step_time_s"}, calibration=cal.source,
+        calibration_error=cal.error, calibration_records=tuple(cal.fitted_on))
 
 
 def _prepare(model, mom, gpu, precision, tf32, size):

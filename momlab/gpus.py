@@ -49,6 +49,12 @@ FORMATS = ("fp32", "tf32", "bf16", "fp16")
 # PCIe x16 payload rate per direction: gen3 ~15.75 GB/s, gen4 ~31.5, gen5 ~63
 # (the datasheets quote 32 / 64 / 128 GB/s counting both directions).
 PCIE = {3: 15.75 * GB_S, 4: 31.5 * GB_S, 5: 63.0 * GB_S}
+# What a pinned-memory copy (cudaMemcpyAsync from page-locked host memory) reaches per direction over
+# PCIe x16: about 80% of the payload rate, the rest going to packet headers, flow control and DMA setup.
+# Source: NVIDIA's CUDA samples `bandwidthTest --memory=pinned`, whose published runs on x16 links report
+# about 12-13 GB/s (gen3), 24-26 (gen4) and 50-55 (gen5); not measured by momlab. Swap's copies run at
+# this rate (momlab.timemodel), not at the link's peak.
+PINNED = {3: 12.0 * GB_S, 4: 25.0 * GB_S, 5: 50.0 * GB_S}
 
 # Eager PyTorch launches one kernel per aten op and spends host time per op
 # (Python, autograd, dispatcher). A few microseconds on a current server CPU;
@@ -69,7 +75,9 @@ class Gpu:
       and the driver take a few hundred MiB of it, not counted by a peak).
     - ``flops``: peak dense FLOP/s per format (`FORMATS`); None: no fast path.
     - ``memory_bandwidth``: device memory bytes/s.
-    - ``host_bandwidth``: bytes/s per direction over ``host_link`` (swap).
+    - ``host_bandwidth``: bytes/s per direction over ``host_link`` (its peak payload rate).
+    - ``pinned_bandwidth``: bytes/s per direction a pinned host copy reaches
+      over that link (what swap's copies get; `PINNED` says where from).
     - ``kernels``: "cuda" or "cpu": whose kernels decide what a step saves
       (attention saves different tensors on each; momlab.estimate).
     - ``patterns``: regular expressions matching ``env.device_name`` of
@@ -84,6 +92,7 @@ class Gpu:
     host_bandwidth: float
     kernels: str = "cuda"
     patterns: tuple = ()
+    pinned_bandwidth: float = 0.0
     launch_s: float = LAUNCH_S
     source: str = ""
     notes: str = ""
@@ -100,7 +109,7 @@ class Gpu:
     def to_dict(self) -> dict:
         return {"name": self.name, "memory_bytes": self.memory_bytes, "flops": dict(self.flops),
                 "memory_bandwidth": self.memory_bandwidth, "host_link": self.host_link,
-                "host_bandwidth": self.host_bandwidth, "kernels": self.kernels, "source": self.source,
+                "host_bandwidth": self.host_bandwidth, "pinned_bandwidth": self.pinned_bandwidth, "kernels": self.kernels, "source": self.source,
                 "notes": self.notes}
 
 
@@ -114,42 +123,42 @@ _CATALOG: dict[str, Gpu] = {g.name: g for g in (
     # HBM2 900 GB/s; the host link is PCIe gen3 x16 (NVLink connects GPUs only, except on POWER9).
     # Volta has no tf32 or bf16 tensor cores.
     Gpu("V100-16", 16 * GiB, _tf(fp32=15.7, fp16=125), 900 * GB_S, "PCIe gen3 x16", PCIE[3],
-        patterns=(r"V100.*16\s*GB",), source="NVIDIA V100 datasheet (SXM2)"),
+        pinned_bandwidth=PINNED[3], patterns=(r"V100.*16\s*GB",), source="NVIDIA V100 datasheet (SXM2)"),
     Gpu("V100-32", 32 * GiB, _tf(fp32=15.7, fp16=125), 900 * GB_S, "PCIe gen3 x16", PCIE[3],
-        patterns=(r"V100.*32\s*GB",), source="NVIDIA V100 datasheet (SXM2)"),
+        pinned_bandwidth=PINNED[3], patterns=(r"V100.*32\s*GB",), source="NVIDIA V100 datasheet (SXM2)"),
     # NVIDIA T4 datasheet: FP32 8.1 TFLOPS, mixed precision (fp16/fp32) 65 TFLOPS, GDDR6 320 GB/s,
     # 16 GB, PCIe gen3 x16. Turing has no tf32 or bf16 tensor cores.
     Gpu("T4", 16 * GiB, _tf(fp32=8.1, fp16=65), 320 * GB_S, "PCIe gen3 x16", PCIE[3],
-        patterns=(r"\bT4\b",), source="NVIDIA T4 datasheet"),
+        pinned_bandwidth=PINNED[3], patterns=(r"\bT4\b",), source="NVIDIA T4 datasheet"),
     # NVIDIA A10 datasheet: FP32 31.2, TF32 62.5 | 125*, BF16 125 | 250*, FP16 125 | 250* TFLOPS
     # (* with sparsity), GDDR6 600 GB/s, 24 GB, PCIe gen4 x16.
     Gpu("A10", 24 * GiB, _tf(fp32=31.2, tf32=62.5, bf16=125, fp16=125), 600 * GB_S, "PCIe gen4 x16", PCIE[4],
-        patterns=(r"\bA10\b(?!0)",), source="NVIDIA A10 datasheet"),
+        pinned_bandwidth=PINNED[4], patterns=(r"\bA10\b(?!0)",), source="NVIDIA A10 datasheet"),
     # NVIDIA L4 datasheet: FP32 30.3, TF32 120*, BF16 242*, FP16 242* TFLOPS (* with sparsity: dense is
     # half), GDDR6 300 GB/s, 24 GB, PCIe gen4 x16.
     Gpu("L4", 24 * GiB, _tf(fp32=30.3, tf32=60, bf16=121, fp16=121), 300 * GB_S, "PCIe gen4 x16", PCIE[4],
-        patterns=(r"\bL4\b",), source="NVIDIA L4 datasheet"),
+        pinned_bandwidth=PINNED[4], patterns=(r"\bL4\b",), source="NVIDIA L4 datasheet"),
     # NVIDIA A100 datasheet (SXM): FP32 19.5, TF32 156 | 312*, BF16 312 | 624*, FP16 312 | 624* TFLOPS;
     # HBM2 1,555 GB/s (40GB), HBM2e 2,039 GB/s (80GB); PCIe gen4 x16 to the host.
     Gpu("A100-40", 40 * GiB, _tf(fp32=19.5, tf32=156, bf16=312, fp16=312), 1555 * GB_S, "PCIe gen4 x16",
-        PCIE[4], patterns=(r"A100.*40\s*GB",), source="NVIDIA A100 datasheet (SXM4 40GB)"),
+        PCIE[4], pinned_bandwidth=PINNED[4], patterns=(r"A100.*40\s*GB",), source="NVIDIA A100 datasheet (SXM4 40GB)"),
     Gpu("A100-80", 80 * GiB, _tf(fp32=19.5, tf32=156, bf16=312, fp16=312), 2039 * GB_S, "PCIe gen4 x16",
-        PCIE[4], patterns=(r"A100.*80\s*GB",), source="NVIDIA A100 datasheet (SXM4 80GB)"),
+        PCIE[4], pinned_bandwidth=PINNED[4], patterns=(r"A100.*80\s*GB",), source="NVIDIA A100 datasheet (SXM4 80GB)"),
     # NVIDIA H100 datasheet (SXM): FP32 67, TF32 989*, BF16 1,979*, FP16 1,979* TFLOPS (* with
     # sparsity: dense is half), HBM3 3.35 TB/s, 80 GB, PCIe gen5 x16 to the host.
     Gpu("H100-80", 80 * GiB, _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 3350 * GB_S, "PCIe gen5 x16",
-        PCIE[5], patterns=(r"H100.*80\s*GB", r"H100 SXM"), source="NVIDIA H100 datasheet (SXM5)"),
+        PCIE[5], pinned_bandwidth=PINNED[5], patterns=(r"H100.*80\s*GB", r"H100 SXM"), source="NVIDIA H100 datasheet (SXM5)"),
     # NVIDIA H200 datasheet (SXM): same compute as H100 SXM (FP32 67, TF32 989*, BF16/FP16 1,979*
     # TFLOPS, * with sparsity), HBM3e "141 GB" at 4.8 TB/s, PCIe gen5 x16 to the host. Capacity as
     # the card reports it: nvidia-smi read 143771 MiB on this workplace's H200s (2026-10-27, driver
     # 580.159); the datasheet's rounded "141 GB" read as GiB overstated it by 0.6 GiB.
     Gpu("H200-141", 143771 * (1 << 20), _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 4800 * GB_S,
-        "PCIe gen5 x16", PCIE[5], patterns=(r"H200",), source="NVIDIA H200 datasheet (SXM)"),
+        "PCIe gen5 x16", PCIE[5], pinned_bandwidth=PINNED[5], patterns=(r"H200",), source="NVIDIA H200 datasheet (SXM)"),
     # NVIDIA Ada Lovelace architecture whitepaper (v1.1), GeForce RTX 4090: FP32 82.6 TFLOPS; tensor
     # FP16 and BF16 with FP32 accumulate (what PyTorch uses) 165.2 dense, TF32 82.6 dense;
     # GDDR6X 1,008 GB/s, 24 GB, PCIe gen4 x16.
     Gpu("RTX-4090", 24 * GiB, _tf(fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2), 1008 * GB_S, "PCIe gen4 x16",
-        PCIE[4], patterns=(r"RTX 4090",), source="NVIDIA Ada Lovelace whitepaper (RTX 4090)"),
+        PCIE[4], pinned_bandwidth=PINNED[4], patterns=(r"RTX 4090",), source="NVIDIA Ada Lovelace whitepaper (RTX 4090)"),
 )}
 
 
@@ -233,7 +242,7 @@ def cpu() -> Gpu:
     peaks = cpu_peaks()
     name = environment("cpu")["device_name"]
     return Gpu("cpu", _memory_total(), dict(peaks.flops), peaks.memory_bandwidth, "none (host memory)",
-               peaks.memory_bandwidth, kernels="cpu", patterns=(re.escape(name),),
+               peaks.memory_bandwidth, kernels="cpu", pinned_bandwidth=peaks.memory_bandwidth, patterns=(re.escape(name),),
                launch_s=0.0,  # fitted per machine (momlab.estimate.calibrate)
                source=f"measured on this machine ({name}, {peaks.threads} threads)",
                notes="memory is the machine's RAM; a budget stands in for a GPU's capacity")

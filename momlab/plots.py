@@ -682,6 +682,73 @@ def loss_curves(curves: pd.DataFrame, *, title: str | None = "Training loss, exa
     return fig
 
 
+def predicted_vs_paper(curves: pd.DataFrame, *, title: str | None = "Predicted throughput against the paper's",
+                       device: str = "V100 16 GB", calibration: str = "", ncols: int | None = None) -> Figure:
+    """A panel per model: the paper's measured throughput at each batch size (points) and the predicted
+    throughput at the same batches (lines), per MOM (``momlab.validation.curves``). Predicted points past
+    the predicted largest batch are drawn dotted: their step time is predicted, their memory does not fit."""
+    if curves.empty:
+        raise ValueError("predicted_vs_paper needs at least one row (momlab.validation.curves)")
+    models = list(dict.fromkeys(curves["model"]))
+    fig, axes = _grid(len(models), ncols)
+    for ax, model in zip(axes, models):
+        panel = curves[curves["model"] == model]
+        for mom in _moms_in_order(panel["mom"]):
+            st = mom_style(mom)
+            g = panel[panel["mom"] == mom].sort_values("batch_size")
+            seen = g[g["paper_throughput"].notna()]
+            ax.plot(seen["batch_size"], seen["paper_throughput"], linestyle="none", marker=st["marker"],
+                    color=st["color"], markersize=4, alpha=0.6, markevery=_markevery(len(seen), 20))
+            fits = g[g["pred_fits"]]
+            ax.plot(fits["batch_size"], fits["pred_throughput"], color=st["color"], linestyle="-", linewidth=1.6)
+            over = g[~g["pred_fits"]]
+            if len(over):
+                join = pd.concat([fits.tail(1), over])
+                ax.plot(join["batch_size"], join["pred_throughput"], color=st["color"], linestyle=":",
+                        linewidth=1.2)
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(f"throughput ({_unit_for(model, None)})")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    extra = [Line2D([], [], color="gray", linestyle="none", marker="o", label="paper (measured)"),
+             Line2D([], [], color="gray", linestyle="-", label="momlab (predicted)"),
+             Line2D([], [], color="gray", linestyle=":", label="predicted, does not fit")]
+    _mom_legend(fig, _moms_in_order(curves["mom"]), oom=False, extra=extra)
+    _title(fig, title, f"{device}; {calibration}" if calibration else device)
+    return fig
+
+
+def predicted_depth(depth: pd.DataFrame, *, pred_crossing: float = math.nan, paper_crossing: float = math.nan,
+                    title: str | None = "S2': maximum throughput against depth, predicted and the paper's",
+                    device: str = "V100 16 GB", unit: str = "seq/s") -> Figure:
+    """Maximum throughput (best batch that fits) against number of layers per MOM: predicted lines,
+    the paper's points, and a vertical line where each says the second MOM overtakes Exact
+    (``momlab.validation.depth_curves`` and ``crossing``)."""
+    fig, (ax,) = _grid(1, 1, panel=(6.4, 4.0))
+    for mom in _moms_in_order(depth["mom"]):
+        st = mom_style(mom)
+        g = depth[depth["mom"] == mom].sort_values("num_layers")
+        pred = g[g["pred_throughput"] > 0]
+        ax.plot(pred["num_layers"], pred["pred_throughput"], color=st["color"], linestyle="-", linewidth=1.6)
+        seen = g[g["paper_throughput"].notna()]
+        ax.plot(seen["num_layers"], seen["paper_throughput"], color=st["color"], marker=st["marker"],
+                linestyle="none", markersize=5)
+    for x, style, label in ((pred_crossing, "-", "predicted"), (paper_crossing, "--", "paper")):
+        if math.isfinite(x):
+            ax.axvline(x, color="gray", linestyle=style, linewidth=1)
+            ax.text(x, ax.get_ylim()[1] * 0.95, f" {label}: {x:.0f}", fontsize=8, va="top")
+    ax.set_xlabel("number of layers")
+    ax.set_ylabel(f"max throughput ({unit})")
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    extra = [Line2D([], [], color="gray", linestyle="none", marker="o", label="paper (measured)"),
+             Line2D([], [], color="gray", linestyle="-", label="momlab (predicted)")]
+    _mom_legend(fig, _moms_in_order(depth["mom"]), oom=False, extra=extra)
+    _title(fig, title, device)
+    return fig
+
+
 def save(fig: Figure, path_without_ext: str | Path) -> list[Path]:
     """Write ``<path>.png`` (150 dpi) and ``<path>.pdf``; return both paths."""
     base = Path(path_without_ext)

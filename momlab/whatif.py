@@ -89,6 +89,7 @@ class View:
     skipped: dict  # mom -> why it does not apply
     capacity: int
     calibrated: bool
+    provenance: str = ""  # where the step times come from (`Calibration.describe`)
 
 
 def compute(state: State) -> View:
@@ -109,7 +110,8 @@ def compute(state: State) -> View:
         at[mom] = estimate(state.model, mom, batch_size=state.batch_size, gpu=state.gpu,
                                precision=state.precision, results=state.results, **state.size)
     cal = calibrate(state.gpu, results=state.results)
-    return View(state, at, curves, maxb, _verdict(state, curves, maxb), skipped, g.memory_bytes, cal.calibrated)
+    return View(state, at, curves, maxb, _verdict(state, curves, maxb), skipped, g.memory_bytes, cal.calibrated,
+                cal.describe())
 
 
 def _best(curve):
@@ -272,7 +274,7 @@ def figure(view: View, fig=None):
     ax_tp.axvline(s.batch_size, color="grey", ls=":", lw=1)
     ax_tp.relim()
     ax_tp.autoscale_view()
-    ax_tp.set_xlabel("batch size")
+    ax_tp.set_xlabel("batch size" + (f"\n{_wrap(view.provenance, 90)}" if view.provenance else ""), fontsize=8)
     ax_tp.set_ylabel("samples/s (predicted)" + ("" if view.calibrated else ", uncalibrated"))
     ax_tp.set_title(_wrap(view.verdict, 70), fontsize=9, y=1)
     if moms:
@@ -399,7 +401,7 @@ class App:
         self.last_update_s = time.perf_counter() - t0
         self.status.value = (f"<small>updated in {self.last_update_s:.2f} s; "
                              f"{'calibrated' if view.calibrated else 'uncalibrated'} step times "
-                             f"({calibrate(self.state.gpu, results=self.state.results).source})</small>")
+                             f"({calibrate(self.state.gpu, results=self.state.results).describe()})</small>")
         if self.figure_path:
             self.fig.savefig(self.figure_path, dpi=110)
         self.view = view

@@ -265,7 +265,7 @@ def test_estimate_record_and_fits(_no_records):
     assert isinstance(e, Estimate) and e.gpu == "A100-40" and e.device == "cuda"
     assert e.fits and e.capacity_bytes == 40 * 2 ** 30 and e.memory_source == "predicted"
     assert e.peak_bytes >= e.params_bytes + e.grads_bytes + e.optimizer_bytes
-    assert e.host_bytes > 0 and e.time["transfer_s"] == pytest.approx(2 * e.host_bytes / get("A100-40").host_bandwidth)
+    assert e.host_bytes > 0 and e.time["transfer_s"] == pytest.approx(2 * e.host_bytes / get("A100-40").pinned_bandwidth)
     assert e.throughput == pytest.approx(8 / e.step_time_s)
     d = e.to_dict()
     assert json.loads(json.dumps(d))["peak_bytes"] == e.peak_bytes

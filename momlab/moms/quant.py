@@ -40,6 +40,7 @@ the `Quantizer` (the pack/unpack pair, and its parameters) and the
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import NamedTuple
 
@@ -122,6 +123,33 @@ def _unpack_bits(data: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.stack([(data >> (bits * j)) & mask for j in range(8 // bits)]).view(-1)
 
 
+# momlab.estimate's tracer sets this while it traces a step for a GPU: there `_encode` and `_decode` run as
+# one compiled kernel each (torch.compile), so the time model costs each call as one kernel, not as the CPU
+# ops a trace runs; it is called as TRACE_KERNEL(fn, *args). None: run the function itself.
+TRACE_KERNEL = None
+
+
+def _chunk(n: int) -> int:
+    """Values per chunk of a tensor of `n` values: `CHUNK`, except in a trace for a GPU: one chunk.
+
+    Chunks bound a real step's temporaries (the float32 copy, the noise) to
+    CHUNK values, but their count grows with the tensor, so two traces at
+    different batch sizes would run different ops and the traced step would
+    not be affine in the batch (momlab.estimate needs that). One chunk keeps
+    it, at the price of counting the temporaries of the saved tensor being
+    packed whole (bert-large quant4 at batch 176: its largest, 23 M values,
+    about 0.3 GB more at the peak than chunks would hold, 2% of a V100).
+    """
+    if TRACE_KERNEL is None:
+        return CHUNK
+    return max(GROUP_SIZE, -(-n // GROUP_SIZE) * GROUP_SIZE)
+
+
+def _kernel(fn):
+    hook = TRACE_KERNEL
+    return fn if hook is None else functools.partial(hook, fn)
+
+
 # -- public functions -------------------------------------------------------------
 
 def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = None,
@@ -146,8 +174,9 @@ def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = 
         groups = -(-n // GROUP_SIZE)
         data = torch.empty(groups * GROUP_SIZE * bits // 8, dtype=torch.uint8, device=x.device)
         meta = torch.empty(groups, 2, dtype=META_DTYPE, device=x.device)
-        for start in range(0, n, CHUNK):
-            chunk = flat[start:start + CHUNK].float()
+        step = _chunk(n)
+        for start in range(0, n, step):
+            chunk = flat[start:start + step].float()
             pad = (-chunk.numel()) % GROUP_SIZE
             if pad:
                 chunk = torch.cat([chunk, chunk[-1:].expand(pad)])
@@ -178,10 +207,11 @@ def dequantize(p: Packed, *, decode=_decode) -> torch.Tensor:
         if p.bits == 1:
             return _unpack_bits(p.data, 1)[:n].to(torch.bool).view(p.shape)
         out = torch.empty(n, dtype=p.dtype, device=p.data.device)
-        for start in range(0, n, CHUNK):
-            values = decode(p.data[start * p.bits // 8:][:CHUNK * p.bits // 8],
-                            p.meta[start // GROUP_SIZE:][:CHUNK // GROUP_SIZE], p.bits)
-            out[start:start + CHUNK].copy_(values.view(-1)[:n - start])
+        step = _chunk(n)
+        for start in range(0, n, step):
+            values = decode(p.data[start * p.bits // 8:][:step * p.bits // 8],
+                            p.meta[start // GROUP_SIZE:][:step // GROUP_SIZE], p.bits)
+            out[start:start + step].copy_(values.view(-1)[:n - start])
         return out.view(p.shape)
 
 
@@ -224,12 +254,12 @@ class Quantizer:
         if not x.is_floating_point():
             return x
         encode, _ = self._program(x.device)
-        return quantize(x, self.bits, generator=self._generator(x.device), encode=encode)
+        return quantize(x, self.bits, generator=self._generator(x.device), encode=_kernel(encode))
 
     def unpack(self, h):
         if isinstance(h, Packed):
             _, decode = self._program(h.data.device)
-            return dequantize(h, decode=decode)
+            return dequantize(h, decode=_kernel(decode))
         return h
 
     def _generator(self, device: torch.device) -> torch.Generator | None:

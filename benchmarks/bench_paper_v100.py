@@ -1,0 +1,58 @@
+"""Benchmark: predicted MOM/Exact maximum-throughput ratios on one V100 against the paper's, with the error.
+
+Every prediction is made here, from traces (build/cache/traces when they are
+there) and the time model calibrated on the paper's *Exact* runs only
+(momlab.timemodel); the MOM rows and the depth study are what it is checked
+against. Prints the calibration (its parameters and per-model residuals), the
+S1 ratio table with the error per row (rows whose paper MOM is another
+system marked), the sets of MOMs that beat Exact, and the depth at which
+Checkpoint overtakes Exact for BERT, predicted and the paper's.
+
+Targets (issue 14): |ratio error| <= 0.15 on every comparable row; the same
+set of MOMs beating Exact per model; the crossing within 4 layers.
+
+Usage: python benchmarks/bench_paper_v100.py [--models resnet50 bert-large ...] [--no-depth]
+A cold cache traces every configuration (minutes on a laptop); later runs read the traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+
+import numpy as np
+
+from momlab import validation
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="*", default=None, help=f"default: {' '.join(validation.MODELS)}")
+    ap.add_argument("--no-depth", action="store_true", help="skip the S2' depth check")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    out = validation.summary(args.models, results=[], depth=not args.no_depth)
+    cal = out["calibration"]
+    print(f"calibration of {validation.GPU}: {cal.describe()}")
+    by_model = collections.defaultdict(list)
+    for label, r in zip(cal.fitted_on, cal.residuals):
+        by_model[label.split()[0]].append(r)
+    for model, rs in by_model.items():
+        print(f"  {model:16s} {len(rs):3d} Exact runs, residual median {np.median(rs):+.3f} "
+              f"(range {min(rs):+.3f} .. {max(rs):+.3f})")
+    print()
+    print(validation.ratio_text(out["table"]))
+    print()
+    for r in out["verdicts"].itertuples(index=False):
+        print(f"  {r.model:16s} beat Exact: paper {r.paper_beat or '-'}, predicted {r.pred_beat or '-'}"
+              f"{'' if r.same else '   <- differs'}")
+    if "depth" in out:
+        print(f"\nBERT-large depth where Checkpoint overtakes Exact: predicted {out['pred_crossing']:.1f}, "
+              f"paper {out['paper_crossing']:.1f} layers")
+    print(f"\n({time.perf_counter() - t0:.0f} s; predicted numbers are predictions, the paper's are measured)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,543 @@
+"""The time model with its calibration: a traced step's ops -> predicted seconds on a device.
+
+Time is a roofline per operation, summed (Paleo, Qi et al. 2017, with the
+graph traced rather than described by hand). On a GPU each op costs
+
+    max(flops / (peak FLOP/s of its format * compute efficiency of the format),
+        bytes read and written / (memory bandwidth * memory efficiency),
+        launch cost)
+
+the last because eager PyTorch issues one kernel per op from the host: a
+kernel shorter than the host's time per op leaves the GPU waiting. The free
+parameters (compute efficiency of fp32 matmuls, of fp32 convolutions, of
+half-precision tensor cores; memory efficiency; launch cost) are fitted per
+device from *Exact* runs only (`calibrate`): momlab's own records of the
+device, and for the paper's V100 its Exact throughput curves
+(momlab/reference). MOM runs never enter a fit: their cost is what the model
+must predict, from first principles on top of the fitted device:
+
+- recomputation (ckpt, ckpt-selective) is ops of the traced step like any other;
+- quantization's encode and decode are one compiled kernel each on CUDA
+  (torch.compile): the trace marks their ops as a group, costed as one kernel
+  moving the group's inputs and outputs at memory bandwidth (plus a launch);
+  the ops around them (casts, the rounding noise, copies) stay ops;
+- swap's device-to-host copies run on a side stream beside forward compute,
+  and the prefetches beside backward compute: each phase takes
+  ``max(its compute, host bytes / the link's effective pinned bandwidth)``
+  (`Gpu.pinned_bandwidth`), the optimizer step after them;
+- combinations are these parts applied to the combination's own trace.
+
+Without records of a device, defaults are used and the estimate says
+``calibrated=False``. On `cpu` (this machine), one thing runs at a time: the
+ops' times and per-op costs add, and swap copies are ops of the trace.
+
+A step here is anything with the per-op arrays of `momlab.estimate.Probe`
+(``flops``, ``extra_flops``, ``bytes``, ``fmt``, ``group``, ``group_bytes``),
+its phase boundaries (``forward_ops``, ``backward_ops``) and ``host_bytes``; the
+traces themselves come from momlab.estimate, which hands its tracer in
+(``trace=``) where a calibration needs the steps of measured records.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from momlab.gpus import DEFAULT_EFFICIENCY, Gpu
+from momlab.gpus import get as get_gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "results"
+
+_LOCK = threading.RLock()  # the calibration cache; a calibration traces, the tracer keeps its own lock
+
+
+# the free parameters of a GPU: compute efficiency of fp32 matmuls (plain CUDA cores), fp32 convolutions,
+# half-precision (bf16/fp16) tensor cores; memory efficiency; seconds of host time per op
+PARAMS = ("fp32", "conv32", "half", "memory", "launch")
+# the compute efficiency applying to each number format of the trace (estimate's FMT_* order)
+_FMT_PARAM = ("fp32", "conv32", "half", "half")
+# a parameter is fitted only where the records spend at least this share of their time in what it governs;
+# otherwise the records say nothing about it and it keeps its default
+_MIN_SHARE = 0.02
+# fewer Exact records than this: one common scale of every cost is fitted (5 free parameters need more)
+_MIN_FULL_FIT = 6
+
+
+# -- time ------------------------------------------------------------------------------------
+
+def _peaks(gpu: Gpu, tf32: bool) -> np.ndarray:
+    """Peak FLOP/s indexed by FMT_*: fp32 matmul, fp32 convolution, bf16, fp16."""
+    fp32 = gpu.peak("fp32")
+    t32 = gpu.peak("tf32")
+    # PyTorch's defaults: cuDNN convolutions may use tf32, matmuls only with allow_tf32 (our `tf32`)
+    conv = t32 if (t32 and gpu.kernels == "cuda") else fp32
+    mm = t32 if (tf32 and t32) else fp32
+    return np.array([mm, conv, gpu.peak("bf16") or fp32, gpu.peak("fp16") or fp32], dtype=np.float64)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted step time and its parts (seconds).
+
+    ``forward_s``, ``backward_s``, ``optimizer_s``: the ops of each phase
+    (fused quantization kernels included, swap copies not); ``transfer_s``:
+    both directions of swap's copies at the link's pinned bandwidth;
+    ``exposed_transfer_s``: the part of them compute did not hide.
+    """
+
+    step_time_s: float
+    ideal_s: float  # sum over ops of the roofline time, at 100% efficiency
+    compute_bound_s: float  # part of ideal_s in ops limited by FLOP/s
+    memory_bound_s: float  # part of ideal_s in ops limited by bandwidth
+    launch_s: float  # op count times the per-op launch cost
+    transfer_s: float  # swap traffic over the host link
+    ops: int
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    fused_s: float = 0.0  # quantization's encode/decode kernels
+    exposed_transfer_s: float = 0.0
+
+
+def _roofline(p, gpu, tf32: bool):
+    peaks = _peaks(gpu, tf32)
+    compute = (p.flops + p.extra_flops) / peaks[p.fmt.astype(np.int64)]
+    memory = p.bytes / gpu.memory_bandwidth
+    return compute, memory
+
+
+def _compute_eff(cal: "Calibration") -> np.ndarray:
+    return np.array([cal.compute_efficiency[k] for k in _FMT_PARAM], dtype=np.float64)
+
+
+def op_seconds(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False) -> tuple[np.ndarray, float]:
+    """Seconds of each op on `gpu` (a fused kernel's time on its first op, its other ops 0) and the
+    fused kernels' total."""
+    compute, memory = _roofline(p, gpu, tf32)
+    t = np.maximum(compute / _compute_eff(cal)[p.fmt.astype(np.int64)], memory / cal.memory_efficiency)
+    cuda = gpu.kernels == "cuda"
+    if cuda:
+        t = np.maximum(t, cal.launch_s)
+    fused = 0.0
+    group = getattr(p, "group", None)
+    if cuda and group is not None and len(group) and (group >= 0).any():
+        inside = group >= 0
+        ids, first = np.unique(group[inside], return_index=True)
+        first = np.flatnonzero(inside)[first]
+        kernel = np.maximum(p.group_bytes[ids] / (gpu.memory_bandwidth * cal.memory_efficiency), cal.launch_s)
+        t = np.where(inside, 0.0, t)
+        t[first] = kernel
+        fused = float(kernel.sum())
+    return t, fused
+
+
+def swap_overlap(forward_s: float, backward_s: float, copy_s: float) -> tuple[float, float]:
+    """Forward and backward phase times with swap's copies of `copy_s` seconds per direction.
+
+    Device-to-host copies start as forward produces each tensor and run
+    beside forward compute only (backward needs them all on the host first:
+    they cannot hide behind it); host-to-device prefetches run beside
+    backward compute only (nothing is left to fetch before backward starts).
+    A phase lasts as long as the longer of its compute and its copies.
+
+    >>> swap_overlap(1.0, 2.0, 1.5)
+    (1.5, 2.0)
+    """
+    return max(forward_s, copy_s), max(backward_s, copy_s)
+
+
+def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False) -> StepTime:
+    """The predicted step of trace `p` on `gpu` (module docstring)."""
+    compute, memory = _roofline(p, gpu, tf32)
+    per_op = np.maximum(compute, memory)
+    ideal = float(per_op.sum())
+    n = len(per_op)
+    parts = dict(ideal_s=ideal, compute_bound_s=float(per_op[compute >= memory].sum()),
+                 memory_bound_s=float(per_op[compute < memory].sum()), launch_s=n * cal.launch_s, ops=n)
+    t, fused = op_seconds(p, gpu, cal, tf32=tf32)
+    fwd_n, bwd_n = getattr(p, "forward_ops", 0), getattr(p, "backward_ops", 0)
+    if not 0 < fwd_n <= bwd_n <= n:  # phases unknown (a trace from before they were recorded): one phase
+        fwd_n = bwd_n = n
+    fwd, bwd, opt = float(t[:fwd_n].sum()), float(t[fwd_n:bwd_n].sum()), float(t[bwd_n:].sum())
+    if gpu.kernels != "cuda":  # a CPU does one thing at a time (swap copies are ops of the trace here)
+        total = fwd + bwd + opt + parts["launch_s"]
+        return StepTime(total, **parts, transfer_s=0.0, forward_s=fwd, backward_s=bwd, optimizer_s=opt)
+    copy = p.host_bytes / gpu.pinned_bandwidth
+    if fwd_n == bwd_n == n:
+        f, b = max(fwd, 2 * copy), 0.0
+    else:
+        f, b = swap_overlap(fwd, bwd, copy)
+    total = f + b + opt
+    return StepTime(total, **parts, transfer_s=2 * copy, forward_s=fwd, backward_s=bwd, optimizer_s=opt,
+                    fused_s=fused, exposed_transfer_s=total - (fwd + bwd + opt))
+
+
+# -- calibration -----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Calibration:
+    """A device's fitted time-model parameters, and where they come from.
+
+    ``compute_efficiency`` (per `PARAMS` format: fp32, conv32, half) and
+    ``memory_efficiency``: the fraction of the datasheet peak reached;
+    ``launch_s``: host seconds per op. ``efficiency``: the compute efficiency
+    of the format the records spent most time in (a one-number summary).
+    ``calibrated``: fitted from Exact measurements of this device
+    (``source`` says which files, ``fitted_on`` which configurations,
+    ``fitted`` which parameters they determined; the others kept defaults);
+    False: defaults. ``residuals``: (predicted - measured) / measured per
+    record of ``fitted_on``; ``error``: their median absolute value.
+    """
+
+    gpu: str
+    efficiency: float
+    launch_s: float
+    calibrated: bool
+    source: str
+    records: int = 0
+    error: float = math.nan
+    compute_efficiency: dict = field(default_factory=dict)
+    memory_efficiency: float = DEFAULT_EFFICIENCY
+    fitted: tuple = ()
+    fitted_on: tuple = ()
+    residuals: tuple = ()
+
+    def params(self) -> dict:
+        return {**self.compute_efficiency, "memory": self.memory_efficiency, "launch": self.launch_s}
+
+    def describe(self) -> str:
+        """Where the step times come from, in one line (what-if shows it under its figure)."""
+        if not self.calibrated:
+            return self.source
+        fitted = ", ".join(f"{k} {self.params()[k]:.3g}" if k != "launch" else f"launch {self.launch_s * 1e6:.1f} us"
+                           for k in self.fitted if k in self.params())
+        return (f"calibrated on {self.source}; fitted {fitted or ', '.join(self.fitted)}; "
+                f"median fit error {self.error:.0%}")
+
+
+def default_calibration(g: Gpu, source: str | None = None) -> Calibration:
+    """The uncalibrated parameters of `g`: `DEFAULT_EFFICIENCY` everywhere, the catalog's launch cost."""
+    return Calibration(g.name, DEFAULT_EFFICIENCY, g.launch_s, False,
+                       source or f"uncalibrated: no measured Exact records of this device (default efficiency "
+                                 f"{DEFAULT_EFFICIENCY})",
+                       compute_efficiency={k: DEFAULT_EFFICIENCY for k in PARAMS[:3]},
+                       memory_efficiency=DEFAULT_EFFICIENCY)
+
+
+def _with_params(g: Gpu, params: dict, **kw) -> Calibration:
+    comp = {k: float(params[k]) for k in PARAMS[:3]}
+    return Calibration(g.name, kw.pop("efficiency", comp["fp32"]), float(params["launch"]), True,
+                       compute_efficiency=comp, memory_efficiency=float(params["memory"]), **kw)
+
+
+_CALIBRATIONS: dict[tuple, Calibration] = {}
+
+# the quick calibration of `cpu`: one tiny step (launch-bound) and one small one (compute-bound)
+QUICK_CPU = (("bert-base", {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "seq_len": 32}, 4),
+             ("bert-base", {"num_layers": 2, "hidden_size": 256, "num_heads": 4, "seq_len": 128}, 8))
+
+
+def _result_files(results) -> list[str]:
+    if results is None:
+        return sorted(glob.glob(str(RESULTS / "*.jsonl")))
+    if isinstance(results, (str, os.PathLike)):
+        p = Path(results)
+        return sorted(glob.glob(str(p / "*.jsonl"))) if p.is_dir() else [str(p)]
+    return [str(p) for p in results]
+
+
+def _records_of(gpu_name: str, files: list[str]) -> list[dict]:
+    """The Exact records of the device in `files` that fitted and were timed (one per configuration)."""
+    from momlab.results import read_records
+
+    gpu = get_gpu(gpu_name)
+    device = "cpu" if gpu_name == "cpu" else "cuda"
+    out, seen = [], set()
+    for path in files:
+        for rec in read_records(path):
+            env = rec.get("env") or {}
+            if env.get("device") != device or not gpu.matches(env.get("device_name")):
+                continue
+            if gpu_name == "cpu" and env.get("threads") not in (None, torch.get_num_threads()):
+                continue
+            if rec.get("mom") != "exact":  # a MOM's time is what the model predicts, never what it is fitted to
+                continue
+            t = rec.get("step_time_s")
+            if not rec.get("fits") or t is None or not math.isfinite(t) or t <= 0:
+                continue
+            key = (rec["model"], rec["mom"], rec["precision"], tuple(sorted((rec.get("size") or {}).items())),
+                   rec["batch_size"])
+            if key not in seen:  # the first record of a configuration (a sweep records each once)
+                seen.add(key)
+                out.append({**rec, "_from": _short(path)})
+    return out
+
+
+def reference_records(gpu_name: str) -> list[dict]:
+    """The paper's Exact runs on one GPU (momlab/reference) as records of `gpu_name`, when it is that GPU.
+
+    Every timed batch size of every model of the paper's S1 sweeps, at the
+    paper's precision and default size; its MOM rows are left out.
+    """
+    from momlab import catalog, reference
+
+    g = get_gpu(gpu_name)
+    if not g.matches(reference.GPU):
+        return []
+    runs = reference.paper_s1_runs()
+    runs = runs[(runs["mom"] == "exact") & runs["fits"] & runs["throughput"].notna()]
+    out = []
+    for r in runs.itertuples(index=False):
+        if r.model not in catalog.models():
+            continue
+        bs = int(r.batch_size)
+        out.append({"model": r.model, "mom": "exact", "precision": r.precision, "size": {}, "batch_size": bs,
+                    "step_time_s": bs / float(r.throughput), "_from": f"paper {reference.GPU} ({r.source})"})
+    return out
+
+
+def _pick(records: list[dict], n: int) -> list[dict]:
+    """Up to `n` records spread over the range of work (cheapest configurations first among ties)."""
+    records = sorted(records, key=lambda r: (r.get("flops") or 0, r["batch_size"]))
+    if len(records) <= n:
+        return records
+    idx = np.unique(np.linspace(0, len(records) - 1, n).round().astype(int))
+    return [records[i] for i in idx]
+
+
+def _fit(gpu: Gpu, points: list[tuple[float, int, float]], name: str, source: str) -> Calibration:
+    """`cpu`: fit one efficiency and the per-op cost to (ideal_s, ops, measured_s) points."""
+    ideal = np.array([p[0] for p in points])
+    ops = np.array([p[1] for p in points], dtype=np.float64)
+    measured = np.array([p[2] for p in points])
+    if len(points) >= 2 and np.ptp(ideal / ops) > 0:
+        # measured = ideal / eff + ops * launch: least squares on the relative error, both terms >= 0
+        A = np.stack([ideal, ops], axis=1) / measured[:, None]
+        (k, launch), *_ = np.linalg.lstsq(A, np.ones_like(measured), rcond=None)
+        if k <= 0 or launch < 0:
+            k, launch = float(np.median(measured / ideal)), 0.0
+    else:
+        launch = gpu.launch_s
+        k = float(np.median((measured - ops * launch) / ideal))
+    k = max(k, 1e-3)
+    pred = ideal * k + ops * launch
+    res = (pred - measured) / measured
+    eff = 1.0 / k
+    return Calibration(name, eff, float(launch), True, source, len(points), float(np.median(np.abs(res))),
+                       compute_efficiency={p: eff for p in PARAMS[:3]}, memory_efficiency=eff,
+                       fitted=("efficiency", "launch"), residuals=tuple(float(r) for r in res))
+
+
+class _Points:
+    """Exact records as one long op array, for a fast vectorized prediction of all their step times."""
+
+    def __init__(self, probes, measured, gpu: Gpu):
+        comp, mem, fmt, idx = [], [], [], []
+        for i, p in enumerate(probes):
+            c, m = _roofline(p, gpu, False)
+            comp.append(c)
+            mem.append(m)
+            fmt.append(p.fmt.astype(np.int64))
+            idx.append(len(c))
+        self.compute, self.memory, self.fmt = np.concatenate(comp), np.concatenate(mem), np.concatenate(fmt)
+        self.starts = np.concatenate([[0], np.cumsum(idx)[:-1]]).astype(np.int64)
+        self.measured = np.asarray(measured, dtype=np.float64)
+
+    def predict(self, params: dict, scale: float = 1.0) -> np.ndarray:
+        eff = np.array([params[k] for k in _FMT_PARAM])
+        t = np.maximum(np.maximum(self.compute / eff[self.fmt], self.memory / params["memory"]), params["launch"])
+        return scale * np.add.reduceat(t, self.starts)
+
+    def shares(self, params: dict) -> dict:
+        """The share of the records' predicted time each parameter governs (the max of an op)."""
+        eff = np.array([params[k] for k in _FMT_PARAM])
+        c, m = self.compute / eff[self.fmt], self.memory / params["memory"]
+        launch = np.full_like(c, params["launch"])
+        t = np.maximum(np.maximum(c, m), launch)
+        total = t.sum()
+        out = {k: 0.0 for k in PARAMS}
+        which = np.argmax(np.stack([c, m, launch]), axis=0)
+        for f, name in enumerate(_FMT_PARAM):
+            out[name] += float(t[(which == 0) & (self.fmt == f)].sum() / total)
+        out["memory"] = float(t[which == 1].sum() / total)
+        out["launch"] = float(t[which == 2].sum() / total)
+        return out
+
+
+def _nelder_mead(f, x0: np.ndarray, step: float = 0.5, iters: int = 600, tol: float = 1e-10) -> np.ndarray:
+    """Minimize `f` from `x0` (Nelder and Mead, 1965; numpy has no optimizer and scipy is not a dependency)."""
+    n = len(x0)
+    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iters):
+        order = np.argsort(values)
+        simplex, values = [simplex[i] for i in order], [values[i] for i in order]
+        if values[-1] - values[0] < tol:
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        worst = simplex[-1]
+        xr = centroid + (centroid - worst)
+        fr = f(xr)
+        if fr < values[0]:
+            xe = centroid + 2 * (centroid - worst)
+            fe = f(xe)
+            simplex[-1], values[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = xr, fr
+        else:
+            xc = centroid + 0.5 * (worst - centroid)
+            fc = f(xc)
+            if fc < values[-1]:
+                simplex[-1], values[-1] = xc, fc
+            else:  # shrink toward the best
+                simplex = [simplex[0]] + [simplex[0] + 0.5 * (x - simplex[0]) for x in simplex[1:]]
+                values = [values[0]] + [f(x) for x in simplex[1:]]
+    return simplex[int(np.argmin(values))]
+
+
+def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "") -> Calibration:
+    """Fit `PARAMS` of GPU `g` to Exact steps `probes` that took `measured` seconds (least squares in log time).
+
+    Efficiencies stay in (0, 1] (no kernel beats the datasheet peak) and the
+    launch cost in [0.1 us, 1 ms]. A parameter the records barely exercise
+    (under `_MIN_SHARE` of their time) keeps its default; with fewer than
+    `_MIN_FULL_FIT` records one common scale of every cost is fitted instead.
+    """
+    pts = _Points(probes, measured, g)
+    base = default_calibration(g).params()
+    shares = pts.shares(base)
+    # the host's time per op is always free (every step launches its ops), a format's efficiency only
+    # where the records spend time in its compute-bound ops (else nothing determines it)
+    free = [k for k in PARAMS if k in ("memory", "launch") or shares[k] >= _MIN_SHARE] \
+        if len(probes) >= _MIN_FULL_FIT else []
+    log_meas = np.log(pts.measured)
+
+    def unpack(x):
+        params = dict(base)
+        for k, v in zip(free, x):
+            params[k] = float(np.clip(np.exp(v), 1e-7, 1e-3)) if k == "launch" else float(min(1.0, np.exp(v)))
+        return params
+
+    def loss(x):
+        return float(np.mean((np.log(pts.predict(unpack(x))) - log_meas) ** 2))
+
+    if free:
+        x = np.log([base[k] for k in free])
+        for _ in range(3):  # restarts: a simplex can stall where one parameter's ops stop setting the max
+            x = _nelder_mead(loss, x)
+        params = unpack(x)
+        fitted = tuple(free)
+    else:  # one scale s of every cost: s * pred0 = measured in the geometric mean
+        s = float(np.exp(np.mean(log_meas - np.log(pts.predict(base)))))
+        params = {k: (v * s if k == "launch" else min(1.0, v / s)) for k, v in base.items()}
+        fitted = ("scale",)
+    pred = pts.predict(params)
+    res = (pred - pts.measured) / pts.measured
+    main = max(PARAMS[:3], key=lambda k: shares[k])
+    return _with_params(g, params, efficiency=params[main], source=source, records=len(probes),
+                        error=float(np.median(np.abs(res))), fitted=fitted, fitted_on=tuple(labels),
+                        residuals=tuple(float(r) for r in res))
+
+
+def _ideal(model, mom, precision, size, batch_size, gpu, trace, tf32=False) -> tuple[float, int]:
+    """Roofline seconds (at 100% efficiency) and op count of one configuration; `trace` gives its step:
+    ``trace(model, mom, precision, size, batch_size, kernels)``."""
+    p = trace(model, mom, precision, size, batch_size, gpu.kernels)
+    compute, memory = _roofline(p, gpu, tf32)
+    return float(np.maximum(compute, memory).sum()), len(p.flops)
+
+
+def _label(r: dict) -> str:
+    size = ",".join(f"{k}={v}" for k, v in sorted((r.get("size") or {}).items()))
+    return f"{r['model']}{'[' + size + ']' if size else ''} {r['precision']} batch {r['batch_size']}"
+
+
+def calibrate(gpu: str, *, trace, results=None, max_records: int = 4, quick: bool = True,
+              reference: bool = True) -> Calibration:
+    """The time-model parameters of `gpu`, fitted from its measured Exact runs (cached per process).
+
+    Records: momlab's own in `results` (default results/*.jsonl) whose
+    ``env.device_name`` matches the device (for `cpu`: this machine's CPU
+    model and thread count), fitted and timed, Exact only; for the paper's
+    GPU (V100 16 GB) also the paper's Exact runs when `reference`
+    (`reference_records`). On a GPU every such record is fitted (`fit_gpu`);
+    on `cpu` up to `max_records` spread over the range of work, and without
+    any, `QUICK_CPU` is measured (a few seconds) when `quick`. A GPU without
+    records gets the defaults, ``calibrated=False``. `trace`: the step of a
+    configuration (see `_ideal`; momlab.estimate's traces).
+    """
+    g = get_gpu(gpu)
+    files = _result_files(results)
+    stamp = tuple((f, os.path.getmtime(f), os.path.getsize(f)) for f in files if os.path.exists(f))
+    key = (gpu, stamp, max_records, quick, reference, torch.get_num_threads() if gpu == "cpu" else None)
+    with _LOCK:
+        if key in _CALIBRATIONS:
+            return _CALIBRATIONS[key]
+        own = _records_of(gpu, files)
+        if g.kernels == "cpu":
+            records = _pick(own, max_records)
+            points = []
+            for r in records:
+                ideal, n = _ideal(r["model"], r["mom"], r["precision"], r.get("size") or {}, r["batch_size"], g,
+                                  trace)
+                points.append((ideal, n, float(r["step_time_s"])))
+            if points:
+                cal = _fit(g, points, gpu, f"{len(points)} measured Exact record(s) in "
+                                           f"{', '.join(sorted({r['_from'] for r in records}))}")
+                cal = _replace(cal, fitted_on=tuple(map(_label, records)))
+            elif quick:
+                cal = _quick_cpu(g, trace)
+            else:
+                cal = default_calibration(g)
+        else:
+            records = own + (reference_records(gpu) if reference else [])
+            records = [r for r in records if g.peak(r["precision"])]
+            if records:
+                probes = [trace(r["model"], "exact", r["precision"], r.get("size") or {}, r["batch_size"], g.kernels)
+                          for r in records]
+                sources = sorted({r["_from"].split(" (")[0] for r in records})
+                cal = fit_gpu(g, probes, [float(r["step_time_s"]) for r in records], map(_label, records),
+                              f"{len(records)} measured Exact record(s): {', '.join(sources)}")
+            else:
+                cal = default_calibration(g)
+        _CALIBRATIONS[key] = cal
+    return cal
+
+
+def _replace(cal: Calibration, **kw) -> Calibration:
+    from dataclasses import replace
+
+    return replace(cal, **kw)
+
+
+def _short(path: str) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def _quick_cpu(g: Gpu, trace) -> Calibration:
+    from momlab.measure import measure
+
+    points = []
+    for model, size, batch in QUICK_CPU:
+        m = measure(model, batch_size=batch, steps=3, warmup=1, **size)
+        ideal, n = _ideal(model, "exact", "fp32", size, batch, g, trace)
+        points.append((ideal, n, m.step_time_s))
+    return _fit(g, points, "cpu", "quick calibration: measured " + ", ".join(
+        f"{m} batch {b} ({s['hidden_size']} wide)" for m, s, b in QUICK_CPU))
+
+
+def clear_cache() -> None:
+    """Forget every calibration made in this process."""
+    with _LOCK:
+        _CALIBRATIONS.clear()

@@ -1,0 +1,187 @@
+"""The time model: calibration recovers the parameters that made the times, swap overlaps per phase.
+
+Hand-built steps (numpy arrays in the shape of `momlab.estimate.Probe`) so
+every expected time is worked out here, not by the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from momlab.gpus import get
+from momlab.timemodel import (
+    Calibration,
+    default_calibration,
+    fit_gpu,
+    step_time,
+    swap_overlap,
+)
+
+V100 = get("V100-16")
+FP32, CONV32, FP16 = 0, 1, 3
+TRUTH = {"fp32": 0.6, "conv32": 0.72, "half": 0.45, "memory": 0.81, "launch": 1.7e-5}
+
+
+def _step(flops, nbytes, fmt, *, host=0, forward=0, backward=0, group=None, group_bytes=None):
+    n = len(flops)
+    return SimpleNamespace(flops=np.asarray(flops, dtype=float), extra_flops=np.zeros(n),
+                           bytes=np.asarray(nbytes, dtype=float), fmt=np.asarray(fmt, dtype=np.int8),
+                           host_bytes=host, forward_ops=forward, backward_ops=backward,
+                           group=None if group is None else np.asarray(group, dtype=np.int32),
+                           group_bytes=None if group_bytes is None else np.asarray(group_bytes, dtype=float))
+
+
+def _cal(params: dict) -> Calibration:
+    comp = {k: params[k] for k in ("fp32", "conv32", "half")}
+    return Calibration("V100-16", comp["half"], params["launch"], True, "test", compute_efficiency=comp,
+                       memory_efficiency=params["memory"])
+
+
+def _model_step(rng, batch: int, kind: str):
+    """A step of 300 ops: big matmuls or convolutions (compute-bound), elementwise ops (memory-bound),
+    small ops whose kernels are shorter than a launch; costs grow with the batch as a real step's do."""
+    n = 300
+    heavy = rng.random(n) < 0.3
+    flops = np.where(heavy, rng.uniform(1e9, 5e9, n) * batch, 0.0)
+    nbytes = np.where(heavy, rng.uniform(1e6, 4e6, n) * batch, rng.uniform(2e5, 4e6, n) * batch)
+    nbytes[rng.random(n) < 0.2] = 4096.0  # scalars, norms of one vector: launch-bound at any batch
+    fmt = np.where(heavy, CONV32 if kind == "cnn" else FP16, FP32)
+    return _step(flops, nbytes, fmt)
+
+
+def test_calibration_recovers_known_parameters():
+    """Exact records of two kinds of model at several batch sizes, timed with known parameters: the fit
+    finds them (a fit of one efficiency, or one that keeps defaults, misses by 10-40%)."""
+    rng = np.random.default_rng(0)
+    probes = [_model_step(rng, b, kind) for kind in ("cnn", "transformer") for b in (1, 2, 4, 16, 64, 128)]
+    truth = _cal(TRUTH)
+    measured = [step_time(p, V100, truth).step_time_s for p in probes]
+    cal = fit_gpu(V100, probes, measured, [f"r{i}" for i in range(len(probes))], "synthetic")
+    assert cal.calibrated and cal.records == len(probes) == len(cal.residuals) == len(cal.fitted_on)
+    assert set(cal.fitted) == {"conv32", "half", "memory", "launch"}  # fp32 compute: no fp32 matmuls here
+    for k in ("conv32", "half", "memory", "launch"):
+        assert cal.params()[k] == pytest.approx(TRUTH[k], rel=0.02), k
+    assert cal.error < 0.005
+
+
+def test_fitted_efficiencies_stay_physical():
+    """Times faster than the datasheet peak allows cannot push an efficiency above 1."""
+    rng = np.random.default_rng(1)
+    probes = [_model_step(rng, b, "transformer") for b in (1, 4, 16, 64, 128, 256)]
+    at_peak = _cal({"fp32": 1.0, "conv32": 1.0, "half": 1.0, "memory": 1.0, "launch": 1e-6})
+    measured = [0.5 * step_time(p, V100, at_peak).step_time_s for p in probes]
+    cal = fit_gpu(V100, probes, measured, source="too fast")
+    assert all(0 < v <= 1.0 for k, v in cal.params().items() if k != "launch")
+    assert 1e-7 <= cal.launch_s <= 1e-3
+    assert cal.error > 0.2  # the fit says it could not explain them
+
+
+def test_one_record_fits_one_scale():
+    rng = np.random.default_rng(2)
+    p = _model_step(rng, 8, "transformer")
+    base = default_calibration(V100)
+    measured = 3.0 * step_time(p, V100, base).step_time_s
+    cal = fit_gpu(V100, [p], [measured], ["one"], "one")
+    assert cal.fitted == ("scale",)
+    assert step_time(p, V100, cal).step_time_s == pytest.approx(measured, rel=1e-9)
+
+
+def test_swap_copies_overlap_their_own_phase_only():
+    """Forward copies hide behind forward compute, prefetches behind backward's; never across phases."""
+    cal = _cal({**TRUTH, "launch": 0.0})
+    bw = V100.memory_bandwidth * TRUTH["memory"]
+    # 4 forward ops of 1 ms each, 8 backward ops of 1 ms, 2 optimizer ops of 1 ms (memory-bound)
+    ms = bw * 1e-3
+    nbytes = [ms] * 14
+    fmt = [FP32] * 14
+    copy = V100.pinned_bandwidth * 1e-3  # bytes that take 1 ms per direction
+    cases = [(2 * copy, 4e-3 + 8e-3 + 2e-3),  # 2 ms each way: hidden in both phases
+             (6 * copy, 6e-3 + 8e-3 + 2e-3),  # 6 ms: forward (4 ms) exposes 2 ms, backward (8 ms) hides it
+             (10 * copy, 10e-3 + 10e-3 + 2e-3)]  # 10 ms: exposed in both; the optimizer hides nothing
+    for host, expected in cases:
+        p = _step([0.0] * 14, nbytes, fmt, host=host, forward=4, backward=12)
+        t = step_time(p, V100, cal)
+        assert t.step_time_s == pytest.approx(expected, rel=1e-9)
+        assert t.transfer_s == pytest.approx(2 * host / V100.pinned_bandwidth)
+        assert t.exposed_transfer_s == pytest.approx(expected - 14e-3, abs=1e-12)
+    # one phase's long compute does not hide the other phase's copies (a whole-step overlap would: 14 ms)
+    p = _step([0.0] * 14, nbytes, fmt, host=6 * copy, forward=4, backward=12)
+    assert step_time(p, V100, cal).step_time_s > max(14e-3, 2 * 6e-3)
+    assert swap_overlap(1.0, 2.0, 1.5) == (1.5, 2.0)
+
+
+def test_swap_copies_run_at_the_pinned_rate_of_the_link():
+    for name in ("V100-16", "A100-40", "H100-80"):
+        g = get(name)
+        assert 0.5 * g.host_bandwidth < g.pinned_bandwidth < g.host_bandwidth
+
+
+def test_a_fused_kernel_is_one_kernel():
+    """Quantization's encode: its traced CPU ops (here 3 of 1 ms) cost one kernel moving its in and out."""
+    cal = _cal(TRUTH)
+    bw = V100.memory_bandwidth * TRUTH["memory"]
+    ms = bw * 1e-3
+    plain = _step([0.0] * 4, [ms] * 4, [FP32] * 4)
+    fused = _step([0.0] * 4, [ms] * 4, [FP32] * 4, group=[-1, 0, 0, 0], group_bytes=[ms / 2])
+    assert step_time(plain, V100, cal).step_time_s == pytest.approx(4e-3)
+    t = step_time(fused, V100, cal)
+    assert t.step_time_s == pytest.approx(1e-3 + 0.5e-3) and t.fused_s == pytest.approx(0.5e-3)
+
+
+def test_calibration_never_uses_mom_records(tmp_path):
+    from momlab import catalog
+    from momlab.estimate import calibrate
+
+    size = catalog.resolve_size("bert-base", catalog.tiny("bert-base"))
+    rec = {"model": "bert-base", "mom": "ckpt", "batch_size": 16, "precision": "fp32", "size": size,
+           "fits": True, "step_time_s": 0.01, "throughput": 1600.0, "flops": 1,
+           "env": {"device": "cuda", "device_name": "NVIDIA A100-SXM4-40GB"}}
+    (tmp_path / "a100.jsonl").write_text(json.dumps(rec) + "\n")
+    cal = calibrate("A100-40", results=tmp_path)
+    assert not cal.calibrated and math.isnan(cal.error)
+
+
+def test_crossing_is_where_the_difference_changes_sign():
+    import pandas as pd
+
+    from momlab.validation import crossing
+
+    d = pd.DataFrame({"mom": ["exact"] * 3 + ["ckpt"] * 3, "num_layers": [30, 34, 38] * 2,
+                      "t": [124.0, 99.0, 67.0, 117.0, 103.0, 91.0]})
+    # 30: -7, 34: +4 -> 30 + 4 * 7 / 11
+    assert crossing(d, "t") == pytest.approx(30 + 4 * 7 / 11)
+    assert math.isnan(crossing(d.assign(t=[1.0, 1.0, 1.0, 0.5, 0.5, 0.5]), "t"))
+
+
+def test_predicted_vs_paper_draws_points_and_lines():
+    import pandas as pd
+
+    from momlab import plots
+
+    c = pd.DataFrame({"model": "bert-large", "mom": ["exact"] * 3 + ["ckpt"] * 3, "batch_size": [8, 16, 32] * 2,
+                      "paper_throughput": [100.0, 150.0, float("nan"), 80, 120, 130],
+                      "pred_throughput": [110.0, 160.0, 170.0, 85, 125, 135],
+                      "pred_fits": [True, True, False, True, True, True]})
+    fig = plots.predicted_vs_paper(c, calibration="calibrated on test")
+    ax = fig.axes[0]
+    lines = [ln for ln in ax.get_lines() if len(ln.get_xdata())]
+    assert [list(ln.get_xdata()) for ln in lines] == [[8, 16], [8, 16], [16, 32], [8, 16, 32], [8, 16, 32]]
+    assert "calibrated on test" in fig.get_suptitle().replace("\n", " ")
+
+
+@pytest.mark.slow
+def test_v100_calibration_on_the_paper_exact_runs_is_physical():
+    """The fit on the paper's Exact curves (real-size traces: minutes on a cold cache)."""
+    from momlab.estimate import calibrate
+
+    cal = calibrate("V100-16", results=[])
+    assert cal.calibrated and cal.records >= 150 and "paper V100-16GB" in cal.source
+    assert all(0 < v <= 1.0 for k, v in cal.params().items() if k != "launch")
+    assert 1e-7 <= cal.launch_s <= 1e-3 and cal.error < 0.25
+    assert all(label.split()[0] in ("resnet50", "wide-resnet50-2", "resnet152", "swin-large", "bert-large",
+                                    "gpt3-small", "gpt3-medium") for label in cal.fitted_on)
