@@ -185,7 +185,7 @@ def _phase_env(c: Check) -> None:
         free, total = torch.cuda.mem_get_info(d)
         facts.update(total_memory=dev.total_memory(d), mem_get_info_free=free, mem_get_info_total=total,
                      outside_allocator=dev.outside_allocator(d), capability=list(torch.cuda.get_device_capability(d)),
-                     host_memory_stats_available=bool(dev.host_memory_stats()) or hasattr(torch.cuda, "host_memory_stats"))
+                     host_memory_stats_available=bool(dev.host_memory_stats()))
         try:  # the first defect a budgeted CUDA run hit: the cap took no index-less device
             torch.cuda.set_per_process_memory_fraction(1.0, d)
             ok, err = True, None
@@ -205,9 +205,6 @@ def _judge_fit(c: Check, phase: str, label: str, m, budget: int, baseline: int) 
     if m.reserved_peak_bytes is not None:
         c.ev.check(phase, f"{label} reserved peak <= budget", m.reserved_peak_bytes <= budget,
                    reserved=m.reserved_peak_bytes, budget=budget)
-    c.ev.check(phase, f"{label} breakdown adds up",
-               m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.activation_bytes + m.workspace_bytes
-               >= m.peak_bytes, peak=m.peak_bytes, workspace=m.workspace_bytes)
     after = c.allocated()
     c.ev.check(phase, f"{label} memory back to baseline", after <= baseline, before=baseline, after=after)
     if "quant" in m.mom and c.cuda:

@@ -62,6 +62,7 @@ class _Probe:
     def __init__(self, live, host, workload: Workload):
         self.live, self.host, self.w = live, host, workload
         self.forward_live = self.forward_host = self.grads_bytes = 0
+        self.allocator: dict | None = None  # CUDA: the allocator's peaks of this step (`CudaMemory.peaks`)
 
     def forward_end(self):
         self.forward_live = self.live()
@@ -168,6 +169,9 @@ class _EmulatedMeter:
     def peak(self) -> int:
         return self.tracker.peak_bytes
 
+    def allocator_peaks(self) -> None:
+        return None  # no allocator behind the emulated device
+
     @contextmanager
     def unlimited(self):
         budget, self.tracker.budget = self.tracker.budget, None
@@ -198,6 +202,9 @@ class _CudaMeter:
         synchronize(self.mem.device)
         return self.mem.peak()
 
+    def allocator_peaks(self) -> dict:
+        return self.mem.peaks()
+
     @contextmanager
     def unlimited(self):
         with self.mem.uncapped():
@@ -210,6 +217,8 @@ def _probe_step(w: Workload, meter) -> tuple[int, _Probe]:
     meter.reset_peak()
     probe = _Probe(meter.live, meter.host, w)
     w.step(on_forward_end=probe.forward_end, on_backward_end=probe.backward_end)
+    # read here, with the step they belong to: ckpt-auto may run failing trials after its chosen one
+    probe.allocator = meter.allocator_peaks()
     return meter.peak(), probe
 
 
@@ -341,7 +350,7 @@ def _measure_cuda(base, dev, budget, steps, warmup, seed) -> Measurement:
             host = StorageTracker(devices=("cpu",), host_budget=host_limit())
             with host:
                 peak, probe = _warm_probe(w, _CudaMeter(mem, host), warmup)
-            peaks = mem.peaks()
+            peaks = probe.allocator
             flops = count_flops(w, mem.uncapped())
             times = _timed_steps(w, steps)
         _record_compile(w)
