@@ -389,6 +389,13 @@ class _Rank:
         lo = self.rank * b
         return {k: v[lo:lo + b].to(self.device, copy=True) for k, v in full.items()}
 
+    def budget(self) -> int | None:
+        """The run's per-rank budget, or the test hook's own for this rank."""
+        fault = self.cfg.get("fault") or {}
+        if fault.get("rank") == self.rank and "budget" in fault:
+            return int(fault["budget"])
+        return self.cfg["budget"]
+
     def step(self, **probe) -> float:
         self.tell("phase", f"step {self.step_index}")
         fault = self.cfg.get("fault") or {}
@@ -447,7 +454,7 @@ class _Rank:
         return capture
 
     def _measure_emulated(self, warmup: int) -> dict:
-        tracker = RankTracker(budget=self.cfg["budget"])
+        tracker = RankTracker(budget=self.budget())
         w = self.w
         with tracker:
             tracker.track(self._params())
@@ -476,7 +483,7 @@ class _Rank:
         return int(flops.get_total_flops())
 
     def _measure_cuda(self, warmup: int) -> dict:
-        mem = CudaMemory(self.device, self.cfg["budget"])
+        mem = CudaMemory(self.device, self.budget())
         empty_cache(self.device)
         w = self.w
         with mem.capped():
@@ -807,7 +814,8 @@ def measure_distributed(model: str, mom: str = "exact", *, ranks: int, parallel:
     probe, timed), averaged over ranks. A rank out of memory makes the record
     ``fits=False``; a rank that dies or fails raises `RankFailed`, within
     `timeout_s` at the latest. ``_fault`` is a test hook:
-    ``{"rank": r, "step": k}`` kills rank r at the start of its step k.
+    ``{"rank": r, "step": k}`` kills rank r at the start of its step k;
+    ``{"rank": r, "budget": b}`` gives rank r a budget of its own.
 
     >>> m = measure_distributed("vit-base", ranks=2, parallel="ddp", batch_size=2,
     ...                         **tiny("vit-base"))  # doctest: +SKIP

@@ -121,12 +121,18 @@ def test_a_rank_that_dies_fails_the_run_at_once():
 
 
 def test_a_rank_out_of_memory_is_data(runs):
-    """The budget is per rank; rank 0 of FSDP peaks a little higher (its padded optimizer shard), so only
-    it runs out, while rank 1 waits in a collective: the record says so instead of hanging."""
+    """The budget is per rank. Only rank 0 runs out (the test hook gives it a budget of its own below its
+    peak), while rank 1 waits in a collective: the record says so instead of hanging.
+
+    (Which rank peaks higher under one shared budget is not fixed: gloo's worker thread may drop its
+    reference to a finished collective's buffer a little after the rank has moved on, so a rank's peak
+    can include that buffer; CI once measured rank 1 ~195 KiB above rank 0.)"""
     per_rank = runs["fsdp"].options["per_rank"]
-    assert per_rank[0]["peak_bytes"] > per_rank[1]["peak_bytes"]
+    assert per_rank[0]["optimizer_bytes"] > per_rank[1]["optimizer_bytes"]  # its padded optimizer shard
+    start = time.monotonic()
     m = measure_distributed(MODEL, ranks=RANKS, parallel="fsdp", batch_size=BATCH, steps=1, timeout_s=120,
-                            budget=per_rank[1]["peak_bytes"], **SIZE)
+                            _fault={"rank": 0, "budget": per_rank[0]["peak_bytes"] // 2}, **SIZE)
+    assert time.monotonic() - start < 100  # rank 1, blocked in a collective, was stopped, not waited out
     assert not m.fits and math.isnan(m.throughput)
     assert m.options["oom_ranks"] == [0]
     assert m.error.startswith("rank 0: emulated device out of memory")
