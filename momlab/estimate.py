@@ -78,6 +78,7 @@ from momlab.gpus import gpus as gpu_names
 from momlab.accounting import StorageTracker, unique_storage_bytes
 from momlab.errors import check_choice
 from momlab.units import format_bytes, parse_bytes
+from momlab.usermodel import name_of, resolve
 from momlab.workload import PRECISIONS, build, check_batch_size, parse_mom
 
 aten = torch.ops.aten
@@ -483,8 +484,11 @@ def _kernels_of(gpu: str) -> str:
 
 
 def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels: str = "cuda", **size) -> Profile:
-    """The cached two-batch trace of a configuration (`kernels`: "cuda" or "cpu")."""
-    catalog.spec(model)
+    """The cached two-batch trace of a configuration (`kernels`: "cuda" or "cpu").
+
+    `model` may also be a transformers config or a `momlab.UserModel`; their traces are kept in this
+    process only (the disk cache's key knows momlab's source, not a user's code)."""
+    model = resolve(model)
     size = catalog.resolve_size(model, size)
     mom = parse_mom(mom)
     if "ckpt-auto" in mom.split("+"):
@@ -496,7 +500,7 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
     with _LOCK:
         prof = _PROFILES.get(key)
         if prof is None:
-            disk = _disk_path(model, mom, precision, size, kernels)
+            disk = _disk_path(model, mom, precision, size, kernels) if isinstance(model, str) else None
             probes = _load(*disk) if disk is not None else None
             session = None
             if probes is None:
@@ -874,7 +878,7 @@ def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kern
     fits = p.peak_bytes <= capacity
     flops = float(p.flops.sum()) + (float(p.extra_flops.sum()) if kernels == "cuda" else 0.0)
     return Estimate(
-        model=model, mom=mom, batch_size=p.batch_size, precision=precision, size=dict(size), gpu=g.name,
+        model=name_of(model), mom=mom, batch_size=p.batch_size, precision=precision, size=dict(size), gpu=g.name,
         fits=fits, peak_bytes=p.peak_bytes, params_bytes=p.params_bytes, grads_bytes=p.grads_bytes,
         optimizer_bytes=p.optimizer_bytes, activation_bytes=p.activation_bytes,
         workspace_bytes=p.workspace_bytes, host_bytes=p.host_bytes, step_time_s=t.step_time_s,
@@ -970,6 +974,7 @@ def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers",
     """
     from momlab.search import find_max, size_step
 
+    model = resolve(model)
     g = get_gpu(gpu)
     _check_gpu_precision(g, precision, False)
     if dim in size:
@@ -1022,6 +1027,7 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
     """
     import momlab.moms as moms_module
 
+    model = resolve(model)
     moms = ["exact", *[m for m in moms_module.moms() if m != "exact"]] if moms is None else list(moms)
     if not moms:
         raise ValueError("verdict needs at least one MOM")
@@ -1065,7 +1071,7 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
                 speed = f", {r['throughput_at_batch']:.4g} samples/s" if r["fits_at_batch"] else ""
                 text.append(f"{r['mom']} at batch {batch_size}: {verb} ({format_bytes(r['peak_at_batch'])} of "
                             f"{format_bytes(_capacity(get_gpu(gpu), budget))}){speed}")
-    out = {"model": model, "gpu": gpu, "precision": precision, "size": catalog.resolve_size(model, size),
+    out = {"model": name_of(model), "gpu": gpu, "precision": precision, "size": catalog.resolve_size(model, size),
            "rows": rows, "s1": s1, "calibrated": calibrate(gpu, results=results).calibrated}
     if dim is not None:
         if batch_size is None:
