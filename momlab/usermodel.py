@@ -52,6 +52,14 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _CONFIG_DEFAULT_SEQ = 512
 
 
+def _one_line(exc: BaseException) -> str:
+    """The innermost cause of `exc` in one line: transformers wraps its validators' errors."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def _check_name(name) -> str:
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"a model name is letters, digits, '.', '_' and '-' (it names records and files), "
@@ -199,9 +207,8 @@ class ConfigModel(_Given):
             with torch.device("meta"):
                 _auto_class(self.task).from_config(self.config)
         except Exception as exc:  # noqa: BLE001 - whatever transformers raised, said in one line
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ValueError(f"transformers cannot build a {self.task} model from this {type(self.config).__name__}: "
-                             f"{first}") from None
+                             f"{_one_line(exc)}") from None
 
     def make_model(self, size: dict) -> nn.Module:
         return _auto_class(self.task).from_config(self._config_at(size))
@@ -461,9 +468,9 @@ def from_text(text: str):
             from transformers import AutoConfig
 
             config = AutoConfig.for_model(data.pop("model_type"), **data)
-        except (ValueError, KeyError, TypeError) as exc:
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ValueError(f"{text}: not a transformers config.json with a known model_type ({first})") from None
+        except Exception as exc:  # noqa: BLE001 - transformers' config validation has its own error types
+            raise ValueError(f"{text}: not a transformers config.json with a known model_type "
+                             f"({_one_line(exc)})") from None
         return resolve(config)
     if ":" in text:
         mod, _, attr = text.partition(":")
