@@ -140,7 +140,14 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     if mom != "exact":
         from momlab.moms import apply
 
-        handle = apply(net, mom, blocks=catalog.blocks(model, net))
+        blocks = catalog.blocks(model, net)
+        if not blocks and not isinstance(model, str) and any(
+                p.startswith("ckpt") for p in mom.split("+")):
+            raise ValueError(
+                f"{mom} checkpoints repeated blocks and none were found in {model.name} (no nn.ModuleList or "
+                f"nn.Sequential of same-class layers): name them, momlab.UserModel(module, ..., blocks='layers') "
+                f"(an attribute path or a function of the module returning its blocks)")
+        handle = apply(net, mom, blocks=blocks)
     if spec.optimizer == "adamw":
         opt = torch.optim.AdamW(net.parameters(), foreach=FOREACH, **ADAMW)
     else:

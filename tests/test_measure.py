@@ -42,7 +42,8 @@ def test_model_state_bytes_are_exact(model):
     assert m.flops > 0 and m.step_time_s > 0 and m.throughput == pytest.approx(2 / m.step_time_s)
 
 
-@pytest.mark.parametrize("model", ["bert-base", "gpt2", "swin-tiny", "resnet50", "vit-base"])
+@pytest.mark.parametrize("model", ["bert-base", "gpt2", "swin-tiny", "resnet50", "vit-base", "llama-1b", "qwen2-0.5b",
+                                   "mixtral-8x7b"])
 def test_activation_bytes_are_the_saved_tensors(model):
     """activation_bytes == unique non-parameter storages saved for backward, plus the loss."""
     size = catalog.tiny(model)
@@ -63,7 +64,8 @@ def test_activation_bytes_are_the_saved_tensors(model):
     assert m.activation_bytes == sum(saved.values()) + loss.untyped_storage().nbytes()
 
 
-@pytest.mark.parametrize("model", ["bert-base", "gpt2", "swin-tiny", "resnet50", "vit-base"])
+@pytest.mark.parametrize("model", ["bert-base", "gpt2", "swin-tiny", "resnet50", "vit-base", "llama-1b", "qwen2-0.5b",
+                                   "mixtral-8x7b"])
 def test_activation_bytes_grow_linearly_with_batch(model):
     size = catalog.tiny(model)
     a = [measure(model, batch_size=b, steps=1, **size).activation_bytes for b in (2, 3, 4, 6)]
