@@ -425,3 +425,37 @@ def app(state: State | None = None, *, figure_path=None, **kw) -> App:
     if state is None:
         state = State(**kw)
     return App(state, figure_path)
+
+
+# -- which MOM lets a model train at all (notebook 08) ---------------------------------------------
+
+def train_at_all(model, gpus_: list[str], moms=None, *, precision: str = "bf16", results=None, **size):
+    """Per GPU and MOM, predicted: does `model` train at all (largest batch > 0), its best batch and speed.
+
+    One row per (gpu, mom): ``max_batch`` (0: not even batch 1 fits),
+    ``best_batch`` and ``throughput`` (samples/s, the highest predicted
+    under the memory), ``tokens_per_s`` (throughput x seq_len, for text),
+    ``peak_at_1`` (predicted peak at batch 1) against ``capacity``, and
+    ``calibrated`` (step times fitted from measurements of that GPU, else
+    the default efficiency). Every number is a prediction (`momlab.estimate`).
+    """
+    import pandas as pd
+
+    from momlab.estimate import verdict
+
+    model = resolve(model)
+    full = catalog.resolve_size(model, size)
+    rows = []
+    for g in gpus_:
+        v = verdict(model, moms, gpu=g, precision=precision, batch_size=1, results=results, **size)
+        for r in v["rows"]:
+            if not r.get("applicable"):
+                continue
+            rows.append({"gpu": g, "mom": r["mom"], "trains": r["max_batch"] > 0, "max_batch": r["max_batch"],
+                         "best_batch": r["best_batch"], "throughput": r["throughput"],
+                         "tokens_per_s": r["throughput"] * full["seq_len"] if "seq_len" in full else math.nan,
+                         "peak_at_1": r["peak_at_batch"], "capacity": get_gpu(g).memory_bytes,
+                         "calibrated": r["calibrated"], "source": "predicted"})
+    df = pd.DataFrame(rows)
+    df.attrs.update(model=name_of(model), precision=precision, size=full)
+    return df
