@@ -297,11 +297,62 @@ def _llm(s: Spec, z: dict) -> nn.Module:
     )
     if s.family == "mixtral":
         kw.update(num_local_experts=s.extra["experts"], num_experts_per_tok=s.extra["top_k"],
-                  # tokens sorted by expert, one grouped matmul per projection (transformers' grouped_mm):
-                  # what GPU training runs, and shapes that do not depend on the routing (a trace needs that)
-                  experts_implementation="grouped_mm")
+                  # tokens sorted by expert, one grouped matmul per projection (see `_experts`)
+                  experts_implementation=_experts_implementation())
     cfg = getattr(transformers, prefix + "Config")(**kw)
     return getattr(transformers, prefix + "ForCausalLM")(cfg)
+
+
+def _experts(self, hidden_states, top_k_index, top_k_weights):
+    """Mixtral's experts, tokens sorted by expert, one grouped matmul per projection.
+
+    The grouped matmul is transformers' own opaque op (``grouped_mm_fallback``,
+    one mm per expert inside, a shape-only fake outside): unlike the eager
+    loop (whose shapes depend on the routing, which a trace on tensors
+    without data cannot follow) and unlike torch's ``_grouped_mm`` (bf16 only
+    on CUDA, while the weights here are fp32 masters), it runs on every
+    device and precision, and a trace sees the same ops a step runs.
+    Memory: one (tokens x top-k) row per routed token, as grouped GEMMs keep.
+    """
+    mm = torch.ops.transformers.grouped_mm_fallback
+    k, (n, h) = top_k_index.size(-1), hidden_states.shape
+    ids, perm = torch.sort(top_k_index.reshape(-1))
+    x = hidden_states[perm // k]
+    counts = torch.histc(ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gate, up = mm(x, self.gate_up_proj.transpose(-2, -1).to(x.dtype), offs).chunk(2, dim=-1)
+    out = mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1).to(x.dtype), offs)
+    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return out[inverse].view(n, k, h).sum(dim=1).to(hidden_states.dtype)
+
+
+def _grouped_flops(input_shape, weight_shape, *args, **kwargs) -> int:
+    """(S, K) rows, each times one expert's (K, N): torch's counter has no formula for the opaque op."""
+    return 2 * input_shape[0] * input_shape[1] * weight_shape[-1]
+
+
+def _grouped_backward_flops(input_shape, weight_shape, *args, **kwargs) -> int:
+    return 2 * _grouped_flops(input_shape, weight_shape)  # input and weight gradients
+
+
+def _experts_implementation() -> str:
+    """"momlab_grouped" (`_experts`), registered with transformers' experts interface once; transformers
+    without the opaque grouped op keeps its own "grouped_mm"."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        torch.ops.transformers.grouped_mm_fallback  # noqa: B018 - raises where it does not exist
+    except (ImportError, AttributeError, RuntimeError):
+        return "grouped_mm"
+    if "momlab_grouped" not in ALL_EXPERTS_FUNCTIONS:
+        from torch.utils.flop_counter import register_flop_formula
+
+        ALL_EXPERTS_FUNCTIONS.register("momlab_grouped", _experts)
+        register_flop_formula(torch.ops.transformers.grouped_mm_fallback)(_grouped_flops)
+        register_flop_formula(torch.ops.transformers.grouped_mm_fallback_backward)(_grouped_backward_flops)
+    return "momlab_grouped"
 
 
 _BUILDERS: dict[str, Callable[[Spec, dict], nn.Module]] = {

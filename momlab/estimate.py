@@ -145,9 +145,16 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     for fp32 and wherever flash cannot run; flash, chosen for bf16/fp16 on
     Ampere and later, saves the same up to padding. Head dims the fused
     kernels refuse (not a multiple of 8) and grouped-query attention take the
-    math path, as on CUDA. Autocast has already cast q, k, v (sdpa is on
-    CUDA's lower-precision list, as on the CPU's).
+    math path, as on CUDA, except grouped-query attention in bf16/fp16
+    without a mask: flash runs it natively (Ampere and later; a V100 would
+    take the math path), saving q, k, v unexpanded, output and log-sum-exp.
+    Autocast has already cast q, k, v (sdpa is on CUDA's lower-precision
+    list, as on the CPU's).
     """
+    if (enable_gqa and attn_mask is None and query.dim() == 4 and query.dtype in (torch.bfloat16, torch.float16)
+            and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256):
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                        scale=scale)[0]
     if query.shape[-1] % 8 or enable_gqa or query.dim() != 4:
         return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
                                                        scale=scale, enable_gqa=enable_gqa)[0]
