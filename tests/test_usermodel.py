@@ -202,11 +202,12 @@ def test_decoder_shapes_are_the_published_ones():
             net = catalog.make_model(model, catalog.resolve_size(model, {}))
         return sum(p.numel() for p in net.parameters())
 
-    # Llama 3.1 8B: 8.03e9 parameters (untied); Llama 3.2 1B: 1.24e9 (tied); Qwen2.5 0.5B: 0.49e9 (tied);
-    # Mixtral 8x7B: 46.7e9
+    # the model cards: Llama 3.1 8B 8.03e9 parameters (untied); Llama 3.2 1B 1.24e9 (tied); Qwen2.5 0.5B
+    # 0.49e9 (tied); Qwen2 7B 7.62e9; Mixtral 8x7B 46.7e9
     assert round(params("llama-8b") / 1e9, 2) == 8.03
     assert round(params("llama-1b") / 1e9, 2) == 1.24
     assert round(params("qwen2-0.5b") / 1e9, 2) == 0.49
+    assert round(params("qwen2-7b") / 1e9, 2) == 7.62
     assert round(params("mixtral-8x7b") / 1e9, 1) == 46.7
     with pytest.raises(ValueError, match="multiple of its key/value heads"):
         catalog.resolve_size("qwen2-7b", {"num_heads": 15, "hidden_size": 960})
