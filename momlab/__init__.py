@@ -24,7 +24,8 @@ from momlab.usermodel import ConfigModel, UserModel  # noqa: E402
 from momlab.workload import Workload, build  # noqa: E402
 
 __all__ = [
-    "ConfigModel", "OutOfMemory", "Measurement", "Search", "UserModel", "Workload", "apply", "build", "estimate", "format_bytes", "gpus",
+    "ConfigModel", "OutOfMemory", "Measurement", "Search", "UserModel", "Workload", "apply", "build", "estimate",
+    "format_bytes", "gpus",
     "max_batch_size",
     "max_model_size", "measure", "models", "moms", "parse_bytes", "sweep", "tiny", "__version__",
 ]

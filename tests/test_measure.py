@@ -61,7 +61,11 @@ def test_activation_bytes_are_the_saved_tensors(model):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = catalog.loss(model, w.model, w.batch())
-    assert m.activation_bytes == sum(saved.values()) + loss.untyped_storage().nbytes()
+    # Mixtral's grouped expert op (transformers' grouped_mm_fallback) keeps its offsets, one int32 per
+    # expert and layer, on its autograd context rather than through saved-tensor hooks: held all the same
+    spec = catalog.spec(model)
+    offsets = size["num_layers"] * spec.extra["experts"] * 4 if spec.family == "mixtral" else 0
+    assert m.activation_bytes == sum(saved.values()) + loss.untyped_storage().nbytes() + offsets
 
 
 @pytest.mark.parametrize("model", ["bert-base", "gpt2", "swin-tiny", "resnet50", "vit-base", "llama-1b", "qwen2-0.5b",

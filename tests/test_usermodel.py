@@ -143,6 +143,17 @@ def test_user_module_sweep_records_its_name(tmp_path):
     assert again.attrs["skipped"] == 2  # resumable: the name keys the store
 
 
+def test_what_if_takes_a_user_module():
+    from momlab import whatif
+
+    um = user_model()
+    view = whatif.compute(whatif.State(model=um, gpu="cpu", moms=("exact", "ckpt"), batch_size=4))
+    assert set(view.max_batch) == {"exact", "ckpt"} and view.max_batch["ckpt"] >= view.max_batch["exact"] > 0
+    assert view.at_batch["exact"].peak_bytes == measure(um, batch_size=4, steps=1).peak_bytes
+    table = whatif.train_at_all(um, ["cpu"], ["exact", "ckpt"], precision="fp32")
+    assert list(table["mom"]) == ["exact", "ckpt"] and table["trains"].all() and table.attrs["model"] == "Net"
+
+
 # -- a transformers config ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("mom", ["exact", "ckpt"])
@@ -235,7 +246,7 @@ BAD = [
     (lambda: measure(_lin(batch=lambda b, g: torch.randn(b + 1, 8, generator=g), loss=lambda n, x: n(x).sum()),
                      batch_size=2), r"batch has shape \(3, 8\); expected batch_size=2 rows first"),
     (lambda: measure(_lin(batch=lambda b, g: torch.randn(b, 8, generator=g), loss=lambda n, x: n(x).sum(1)),
-                     batch_size=2), r"must return a scalar floating-point tensor \(shape \(\)\), got a tensor of shape"),
+                     batch_size=2), r"must return a scalar floating-point tensor \(shape \(\)\), got a tensor"),
     (lambda: measure(_lin(batch=lambda b, g: [1, 2], loss=lambda n, x: n(x).sum()), batch_size=2),
      "must return tensors; batch.0. is a int"),
     (lambda: UserModel(Net(), batch=lambda b: b, loss=loss_fn), r"batch must take 2 positional arguments"),
