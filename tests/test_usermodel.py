@@ -264,6 +264,7 @@ def test_bad_input_is_one_line_naming_what_was_expected(call, message):
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow  # four interpreters, each importing torch and transformers
 def test_cli_takes_configs_and_modules_and_says_what_is_wrong_in_one_line(tmp_path):
     (tmp_path / "u15_models.py").write_text(textwrap.dedent("""
         import torch
