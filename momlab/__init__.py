@@ -20,10 +20,12 @@ from momlab.record import Measurement  # noqa: E402
 from momlab.search import Search, max_batch_size, max_model_size  # noqa: E402
 from momlab.sweep import sweep  # noqa: E402
 from momlab.units import format_bytes, parse_bytes  # noqa: E402
+from momlab.usermodel import ConfigModel, UserModel  # noqa: E402
 from momlab.workload import Workload, build  # noqa: E402
 
 __all__ = [
-    "OutOfMemory", "Measurement", "Search", "Workload", "apply", "build", "estimate", "format_bytes", "gpus",
+    "ConfigModel", "OutOfMemory", "Measurement", "Search", "UserModel", "Workload", "apply", "build", "estimate",
+    "format_bytes", "gpus",
     "max_batch_size",
     "max_model_size", "measure", "models", "moms", "parse_bytes", "sweep", "tiny", "__version__",
 ]

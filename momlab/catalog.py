@@ -3,7 +3,8 @@
 Every model is a transformers model class built from a config with random
 weights (nothing is downloaded), fed seeded synthetic inputs, and trained on
 its own task loss: sequence classification for BERT, next-token prediction for
-GPT, 1000-way image classification for Swin, ViT and ResNet. The loss is
+GPT and today's decoders (Llama, Qwen2, Mixtral), 1000-way image
+classification for Swin, ViT and ResNet. The loss is
 computed outside the model (HF BERT builds a CrossEntropyLoss inside forward
 when given labels, which some tracing tools cannot follow).
 
@@ -17,6 +18,19 @@ Size keywords (each valid only where the model has it):
 - ``seq_len``: tokens per sample. ``image_size``: pixels per side.
 - ``width_per_group``: ResNet bottleneck width rule of torchvision (64
   standard, 128 for Wide-ResNet-50-2): inner width = out_channels/4 * wpg/64.
+- ``vocab_size``: the token vocabulary of the Llama, Qwen2 and Mixtral
+  decoders (128,256, 151,936, 32,000): their logits grow with it, and the
+  tiny presets shrink it so that a test step stays cheap.
+
+The decoders keep their published shapes' ratios when a size keyword changes
+them: MLP (and expert) width = hidden_size * the published ratio, key/value
+heads = num_heads / the published group size (grouped-query attention, at
+least one), head dim = hidden_size / num_heads.
+
+Models that are not catalog names (a transformers config, a user's module)
+are `momlab.usermodel`'s; every function here also takes one of those (an
+object with the same methods), so the code below a workload never asks
+which kind of model it trains.
 
 Real sizes are the catalog defaults; `tiny(model)` gives the small preset
 that tests and smoke runs use.
@@ -36,7 +50,7 @@ from momlab.errors import check_choice
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SIZE_KEYWORDS = ("num_layers", "hidden_size", "num_heads", "seq_len", "image_size", "width_per_group")
+SIZE_KEYWORDS = ("num_layers", "hidden_size", "num_heads", "seq_len", "image_size", "width_per_group", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -44,7 +58,7 @@ class Spec:
     """One catalog entry: its family, default size and tiny preset."""
 
     name: str
-    family: str  # bert | gpt | swin | vit | resnet
+    family: str  # bert | gpt | swin | vit | resnet | llama | qwen2 | mixtral
     size: dict
     tiny: dict
     optimizer: str  # adamw | sgd (as in the paper)
@@ -56,6 +70,19 @@ class Spec:
 
 
 _TEXT_TINY = {"num_layers": 2, "hidden_size": 64, "num_heads": 2, "seq_len": 32}
+# decoders: 4 heads so that grouped-query attention keeps more query than key/value heads
+_DECODER_TINY = {"num_layers": 2, "hidden_size": 64, "num_heads": 4, "seq_len": 32, "vocab_size": 512}
+_DECODER_KEYS = ("num_layers", "hidden_size", "num_heads", "seq_len", "vocab_size")
+
+
+def _decoder(hidden, layers, heads, vocab, seq_len=4096):
+    return dict(zip(_DECODER_KEYS, (layers, hidden, heads, seq_len, vocab)))
+
+
+# Published shapes (config.json of each model; weights are random here): Llama 3.2 1B and Llama 3.1 8B
+# (MLP 4x / 3.5x, 8 key/value heads, tied embeddings for 1B), Qwen2.5 0.5B and Qwen2 7B (MLP 38/7 and 37/7
+# of the width, key/value groups of 7, tied for 0.5B), Mixtral 8x7B (8 experts, 2 per token). The
+# default context is 4k tokens: a common training length for all of them.
 _CATALOG = {
     s.name: s
     for s in (
@@ -79,8 +106,19 @@ _CATALOG = {
              {"num_layers": 2, "hidden_size": 32, "width_per_group": 128, "image_size": 64}, "sgd", {"depths": (3, 4, 3)}),
         Spec("resnet152", "resnet", {"num_layers": 36, "hidden_size": 256, "width_per_group": 64, "image_size": 224},
              {"num_layers": 2, "hidden_size": 32, "width_per_group": 64, "image_size": 64}, "sgd", {"depths": (3, 8, 3)}),
+        Spec("llama-1b", "llama", _decoder(2048, 16, 32, 128256), _DECODER_TINY, "adamw",
+             {"mlp": (4, 1), "kv_group": 4, "tied": True, "rope_theta": 500000.0}),
+        Spec("llama-8b", "llama", _decoder(4096, 32, 32, 128256), _DECODER_TINY, "adamw",
+             {"mlp": (7, 2), "kv_group": 4, "tied": False, "rope_theta": 500000.0}),
+        Spec("qwen2-0.5b", "qwen2", _decoder(896, 24, 14, 151936), _DECODER_TINY, "adamw",
+             {"mlp": (38, 7), "kv_group": 7, "tied": True, "rope_theta": 1000000.0}),
+        Spec("qwen2-7b", "qwen2", _decoder(3584, 28, 28, 152064), _DECODER_TINY, "adamw",
+             {"mlp": (37, 7), "kv_group": 7, "tied": False, "rope_theta": 1000000.0}),
+        Spec("mixtral-8x7b", "mixtral", _decoder(4096, 32, 32, 32000), _DECODER_TINY, "adamw",
+             {"mlp": (7, 2), "kv_group": 4, "tied": False, "rope_theta": 1000000.0, "experts": 8, "top_k": 2}),
     )
 }
+DECODERS = ("llama", "qwen2", "mixtral")
 
 NUM_CLASSES_IMAGE = 1000  # ImageNet head, as in the paper
 NUM_CLASSES_TEXT = 2
@@ -91,7 +129,18 @@ def models() -> list[str]:
     return list(_CATALOG)
 
 
+def _given(model) -> bool:
+    """True for a model that is not a catalog name (momlab.usermodel): it answers for itself."""
+    return not isinstance(model, str) and hasattr(model, "make_model")
+
+
 def spec(model: str) -> Spec:
+    """The catalog entry of `model`; a given model (momlab.usermodel) is its own entry."""
+    if _given(model):
+        return model
+    if not isinstance(model, str):
+        raise ValueError(f"a model is a catalog name (valid: {', '.join(_CATALOG)}), a transformers config, "
+                         f"or momlab.UserModel(module, batch=..., loss=...); got {type(model).__name__}")
     check_choice("model", model, _CATALOG)
     return _CATALOG[model]
 
@@ -103,6 +152,8 @@ def tiny(model: str) -> dict:
 
 def resolve_size(model: str, size: dict) -> dict:
     """Defaults filled in, unknown keywords and impossible values refused."""
+    if _given(model):
+        return model.resolve_size(size)
     s = spec(model)
     unknown = [k for k in size if k not in s.keywords]
     if unknown:
@@ -117,11 +168,16 @@ def resolve_size(model: str, size: dict) -> dict:
         raise ValueError(f"hidden_size {out['hidden_size']} must be a multiple of num_heads {out['num_heads']}")
     if s.family == "swin" and out["hidden_size"] % out["num_heads"]:
         raise ValueError(f"hidden_size (embed dim) {out['hidden_size']} must be a multiple of num_heads {out['num_heads']}")
+    if s.family in DECODERS and out["num_heads"] % _kv_heads(s, out["num_heads"]):
+        raise ValueError(f"num_heads {out['num_heads']} of {model} must be a multiple of its key/value heads "
+                         f"(num_heads / {s.extra['kv_group']}, at least 1): use a multiple of {s.extra['kv_group']}")
     return out
 
 
 def size_step(model: str, dim: str) -> int:
     """The natural grid step of a size keyword (for model-size searches)."""
+    if _given(model):
+        return model.size_step(dim)
     s = spec(model)
     check_choice(f"size keyword for {model}", dim, s.keywords)
     if dim == "hidden_size":
@@ -132,6 +188,8 @@ def size_step(model: str, dim: str) -> int:
         return 8
     if dim == "width_per_group":
         return 8
+    if dim == "vocab_size":
+        return 64
     return 1
 
 
@@ -139,6 +197,8 @@ def size_step(model: str, dim: str) -> int:
 
 def make_model(model: str, size: dict) -> nn.Module:
     """Build the transformers model for `model` at `size` (random weights, CPU, fp32)."""
+    if _given(model):
+        return model.make_model(size)
     s = spec(model)
     return _BUILDERS[s.family](s, size)
 
@@ -218,8 +278,86 @@ def _resnet(s: Spec, z: dict) -> nn.Module:
     return net
 
 
+def _kv_heads(s: Spec, heads: int) -> int:
+    return max(1, heads // s.extra["kv_group"])
+
+
+def _llm(s: Spec, z: dict) -> nn.Module:
+    """Llama, Qwen2 and Mixtral: rotary embeddings, gated MLP, grouped-query attention, RMSNorm."""
+    import transformers
+
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "mixtral": "Mixtral"}[s.family]
+    num, den = s.extra["mlp"]
+    kw = dict(
+        num_hidden_layers=z["num_layers"], hidden_size=z["hidden_size"], num_attention_heads=z["num_heads"],
+        num_key_value_heads=_kv_heads(s, z["num_heads"]), head_dim=z["hidden_size"] // z["num_heads"],
+        intermediate_size=z["hidden_size"] * num // den, vocab_size=z["vocab_size"],
+        max_position_embeddings=max(4096, z["seq_len"]), tie_word_embeddings=s.extra["tied"],
+        rope_parameters={"rope_type": "default", "rope_theta": s.extra["rope_theta"]}, use_cache=False,
+    )
+    if s.family == "mixtral":
+        kw.update(num_local_experts=s.extra["experts"], num_experts_per_tok=s.extra["top_k"],
+                  # tokens sorted by expert, one grouped matmul per projection (see `_experts`)
+                  experts_implementation=_experts_implementation())
+    cfg = getattr(transformers, prefix + "Config")(**kw)
+    return getattr(transformers, prefix + "ForCausalLM")(cfg)
+
+
+def _experts(self, hidden_states, top_k_index, top_k_weights):
+    """Mixtral's experts, tokens sorted by expert, one grouped matmul per projection.
+
+    The grouped matmul is transformers' own opaque op (``grouped_mm_fallback``,
+    one mm per expert inside, a shape-only fake outside): unlike the eager
+    loop (whose shapes depend on the routing, which a trace on tensors
+    without data cannot follow) and unlike torch's ``_grouped_mm`` (bf16 only
+    on CUDA, while the weights here are fp32 masters), it runs on every
+    device and precision, and a trace sees the same ops a step runs.
+    Memory: one (tokens x top-k) row per routed token, as grouped GEMMs keep.
+    """
+    mm = torch.ops.transformers.grouped_mm_fallback
+    k, (n, h) = top_k_index.size(-1), hidden_states.shape
+    ids, perm = torch.sort(top_k_index.reshape(-1))
+    x = hidden_states[perm // k]
+    counts = torch.histc(ids.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gate, up = mm(x, self.gate_up_proj.transpose(-2, -1).to(x.dtype), offs).chunk(2, dim=-1)
+    out = mm(self.act_fn(gate) * up, self.down_proj.transpose(-2, -1).to(x.dtype), offs)
+    out = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out.dtype)
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return out[inverse].view(n, k, h).sum(dim=1).to(hidden_states.dtype)
+
+
+def _grouped_flops(input_shape, weight_shape, *args, **kwargs) -> int:
+    """(S, K) rows, each times one expert's (K, N): torch's counter has no formula for the opaque op."""
+    return 2 * input_shape[0] * input_shape[1] * weight_shape[-1]
+
+
+def _grouped_backward_flops(input_shape, weight_shape, *args, **kwargs) -> int:
+    return 2 * _grouped_flops(input_shape, weight_shape)  # input and weight gradients
+
+
+def _experts_implementation() -> str:
+    """"momlab_grouped" (`_experts`), registered with transformers' experts interface once; transformers
+    without the opaque grouped op keeps its own "grouped_mm"."""
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        torch.ops.transformers.grouped_mm_fallback  # noqa: B018 - raises where it does not exist
+    except (ImportError, AttributeError, RuntimeError):
+        return "grouped_mm"
+    if "momlab_grouped" not in ALL_EXPERTS_FUNCTIONS:
+        from torch.utils.flop_counter import register_flop_formula
+
+        ALL_EXPERTS_FUNCTIONS.register("momlab_grouped", _experts)
+        register_flop_formula(torch.ops.transformers.grouped_mm_fallback)(_grouped_flops)
+        register_flop_formula(torch.ops.transformers.grouped_mm_fallback_backward)(_grouped_backward_flops)
+    return "momlab_grouped"
+
+
 _BUILDERS: dict[str, Callable[[Spec, dict], nn.Module]] = {
     "bert": _bert, "gpt": _gpt, "swin": _swin, "vit": _vit, "resnet": _resnet,
+    "llama": _llm, "qwen2": _llm, "mixtral": _llm,
 }
 
 
@@ -231,7 +369,11 @@ def _resnet_blocks(net: nn.Module) -> list[nn.Module]:
 
 def blocks(model: str, net: nn.Module) -> list[nn.Module]:
     """The repeated blocks of a catalog model: transformer layers, Swin blocks, bottlenecks."""
+    if _given(model):
+        return model.blocks(net)
     family = spec(model).family
+    if family in DECODERS:
+        return list(net.model.layers)
     if family == "bert":
         return list(net.bert.encoder.layer)
     if family == "gpt":
@@ -247,9 +389,11 @@ def blocks(model: str, net: nn.Module) -> list[nn.Module]:
 
 def batch(model: str, size: dict, batch_size: int, generator: torch.Generator, device) -> dict:
     """A seeded synthetic batch: model inputs plus `labels`."""
+    if _given(model):
+        return model.batch(size, batch_size, generator, device)
     s = spec(model)
-    if s.family in ("bert", "gpt"):
-        vocab = 30522 if s.family == "bert" else 50257
+    if s.family in ("bert", "gpt", *DECODERS):
+        vocab = {"bert": 30522, "gpt": 50257}.get(s.family) or size["vocab_size"]
         ids = torch.randint(0, vocab, (batch_size, size["seq_len"]), generator=generator)
         out = {"input_ids": ids}
         if s.family == "bert":
@@ -269,9 +413,11 @@ def batch(model: str, size: dict, batch_size: int, generator: torch.Generator, d
 
 def loss(model: str, net: nn.Module, inputs: dict) -> torch.Tensor:
     """Forward pass and the model's task loss (computed outside the model)."""
+    if _given(model):
+        return model.loss(net, inputs)
     labels = inputs["labels"]
     features = {k: v for k, v in inputs.items() if k != "labels"}
     logits = net(**features).logits
-    if spec(model).family == "gpt":
+    if spec(model).family in ("gpt", *DECODERS):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)
     return F.cross_entropy(logits, labels)

@@ -2,6 +2,10 @@
 
 Bad input is a one-line error on stderr and exit code 2; --json prints the
 same dictionary the Python API's `Measurement.to_dict()` gives.
+
+MODEL is a catalog name, a transformers ``config.json`` (a path ending in
+.json), or ``module:attribute`` naming a config, a `momlab.UserModel` or a
+function returning one (`momlab.usermodel.from_text`).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import json
 import math
 import sys
 
-SIZE_FLAGS = ("num_layers", "hidden_size", "num_heads", "seq_len", "image_size", "width_per_group")
+SIZE_FLAGS = ("num_layers", "hidden_size", "num_heads", "seq_len", "image_size", "width_per_group", "vocab_size")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,6 +27,14 @@ def add_size_flags(p: argparse.ArgumentParser) -> None:
     for name in SIZE_FLAGS:
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="use the model's tiny preset (tests, smoke runs)")
+
+
+def model_from(args):
+    """The MODEL argument as a model (parsed once; see the module docstring)."""
+    from momlab.usermodel import from_text
+
+    args.model = from_text(args.model) if isinstance(args.model, str) else args.model
+    return args.model
 
 
 def size_from(args, model: str) -> dict:
@@ -51,7 +63,7 @@ def _table(d: dict) -> str:
 def cmd_measure(args) -> int:
     from momlab.measure import measure
 
-    m = measure(args.model, args.mom, batch_size=args.batch_size, device=args.device, budget=args.budget,
+    m = measure(model_from(args), args.mom, batch_size=args.batch_size, device=args.device, budget=args.budget,
                 precision=args.precision, steps=args.steps, warmup=args.warmup, seed=args.seed,
                 **size_from(args, args.model))
     print(json.dumps(m.to_dict(), allow_nan=True) if args.json else _table(m.to_dict()))
@@ -116,6 +128,8 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     try:
+        if hasattr(args, "model"):
+            model_from(args)
         return args.func(args)
     except ValueError as exc:
         print(f"{p.prog} {args.command}: error: {exc}", file=sys.stderr)

@@ -73,6 +73,7 @@ from momlab.errors import check_choice
 from momlab.units import format_bytes, parse_bytes
 from momlab.timemodel import (  # noqa: F401  (re-exported: callers have imported them from here)
     QUICK_CPU, Calibration, StepTime, _peaks, _result_files, _roofline, step_time)
+from momlab.usermodel import name_of, resolve
 from momlab.workload import PRECISIONS, build, check_batch_size, parse_mom
 
 aten = torch.ops.aten
@@ -138,9 +139,16 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     for fp32 and wherever flash cannot run; flash, chosen for bf16/fp16 on
     Ampere and later, saves the same up to padding. Head dims the fused
     kernels refuse (not a multiple of 8) and grouped-query attention take the
-    math path, as on CUDA. Autocast has already cast q, k, v (sdpa is on
-    CUDA's lower-precision list, as on the CPU's).
+    math path, as on CUDA, except grouped-query attention in bf16/fp16
+    without a mask: flash runs it natively (Ampere and later; a V100 would
+    take the math path), saving q, k, v unexpanded, output and log-sum-exp.
+    Autocast has already cast q, k, v (sdpa is on CUDA's lower-precision
+    list, as on the CPU's).
     """
+    if (enable_gqa and attn_mask is None and query.dim() == 4 and query.dtype in (torch.bfloat16, torch.float16)
+            and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256):
+        return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, False,
+                                                        scale=scale)[0]
     if query.shape[-1] % 8 or enable_gqa or query.dim() != 4:
         return aten._scaled_dot_product_attention_math(query, key, value, attn_mask, dropout_p, is_causal,
                                                        scale=scale, enable_gqa=enable_gqa)[0]
@@ -509,8 +517,11 @@ def _kernels_of(gpu: str) -> str:
 
 
 def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels: str = "cuda", **size) -> Profile:
-    """The cached two-batch trace of a configuration (`kernels`: "cuda" or "cpu")."""
-    catalog.spec(model)
+    """The cached two-batch trace of a configuration (`kernels`: "cuda" or "cpu").
+
+    `model` may also be a transformers config or a `momlab.UserModel`; their traces are kept in this
+    process only (the disk cache's key knows momlab's source, not a user's code)."""
+    model = resolve(model)
     size = catalog.resolve_size(model, size)
     mom = parse_mom(mom)
     if "ckpt-auto" in mom.split("+"):
@@ -522,7 +533,7 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
     with _LOCK:
         prof = _PROFILES.get(key)
         if prof is None:
-            disk = _disk_path(model, mom, precision, size, kernels)
+            disk = _disk_path(model, mom, precision, size, kernels) if isinstance(model, str) else None
             probes = _load(*disk) if disk is not None else None
             session = None
             if probes is None:
@@ -718,7 +729,7 @@ def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kern
     fits = p.peak_bytes <= capacity
     flops = float(p.flops.sum()) + (float(p.extra_flops.sum()) if kernels == "cuda" else 0.0)
     return Estimate(
-        model=model, mom=mom, batch_size=p.batch_size, precision=precision, size=dict(size), gpu=g.name,
+        model=name_of(model), mom=mom, batch_size=p.batch_size, precision=precision, size=dict(size), gpu=g.name,
         fits=fits, peak_bytes=p.peak_bytes, params_bytes=p.params_bytes, grads_bytes=p.grads_bytes,
         optimizer_bytes=p.optimizer_bytes, activation_bytes=p.activation_bytes,
         workspace_bytes=p.workspace_bytes, host_bytes=p.host_bytes, step_time_s=t.step_time_s,
@@ -815,6 +826,7 @@ def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers",
     """
     from momlab.search import find_max, size_step
 
+    model = resolve(model)
     g = get_gpu(gpu)
     _check_gpu_precision(g, precision, False)
     if dim in size:
@@ -867,6 +879,7 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
     """
     import momlab.moms as moms_module
 
+    model = resolve(model)
     moms = ["exact", *[m for m in moms_module.moms() if m != "exact"]] if moms is None else list(moms)
     if not moms:
         raise ValueError("verdict needs at least one MOM")
@@ -910,7 +923,7 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
                 speed = f", {r['throughput_at_batch']:.4g} samples/s" if r["fits_at_batch"] else ""
                 text.append(f"{r['mom']} at batch {batch_size}: {verb} ({format_bytes(r['peak_at_batch'])} of "
                             f"{format_bytes(_capacity(get_gpu(gpu), budget))}){speed}")
-    out = {"model": model, "gpu": gpu, "precision": precision, "size": catalog.resolve_size(model, size),
+    out = {"model": name_of(model), "gpu": gpu, "precision": precision, "size": catalog.resolve_size(model, size),
            "rows": rows, "s1": s1, "calibrated": calibrate(gpu, results=results).calibrated}
     if dim is not None:
         if batch_size is None:

@@ -37,11 +37,11 @@ from momlab.moms import auto
 from momlab.provenance import environment
 from momlab.record import Measurement
 from momlab.units import parse_bytes
+from momlab.usermodel import name_of, resolve
 from momlab.workload import PRECISIONS, Workload, build, check_batch_size, parse_mom
 
 
 def _check(model, mom, batch_size, device, budget, precision, steps, warmup, size):
-    catalog.spec(model)
     size = catalog.resolve_size(model, size)
     mom = parse_mom(mom)
     check_batch_size(batch_size)
@@ -76,11 +76,16 @@ def measure(model: str, mom: str = "exact", *, batch_size: int, device: str = "c
             precision: str = "fp32", steps: int = 3, warmup: int = 1, seed: int = 0, **size) -> Measurement:
     """Measure one training configuration; see the module docstring and `Measurement`.
 
+    `model`: a catalog name, a transformers config, or a `momlab.UserModel`
+    (`momlab.usermodel`); the record names it by its name.
+
     >>> m = measure("bert-base", batch_size=2, **catalog.tiny("bert-base"))  # doctest: +SKIP
     >>> m.fits, m.peak_bytes > m.params_bytes
     (True, True)
     """
+    model = resolve(model)
     size, mom, dev, budget = _check(model, mom, batch_size, device, budget, precision, steps, warmup, size)
+    # base["model"] is the resolved model (build takes it); records name it (_record)
     base = dict(model=model, mom=mom, batch_size=batch_size, device=dev.type, precision=precision, size=size,
                 budget=budget, env=environment(dev))
     gc.collect()
@@ -89,10 +94,15 @@ def measure(model: str, mom: str = "exact", *, batch_size: int, device: str = "c
     return _measure_emulated(base, dev, budget, steps, warmup, seed)
 
 
+def _record(base: dict) -> dict:
+    """The record's fields of `base`: the model by its name (a given model is an object)."""
+    return {**base, "model": name_of(base["model"])}
+
+
 def _unfit(base: dict, live: int, error: str, memory_source: str, options: dict | None = None) -> Measurement:
     """`error`'s out-of-memory as data; `options["oom"]` says whether device or host memory ran out."""
     nan = math.nan
-    return Measurement(**base, fits=False, peak_bytes=live, params_bytes=0, grads_bytes=0, optimizer_bytes=0,
+    return Measurement(**_record(base), fits=False, peak_bytes=live, params_bytes=0, grads_bytes=0, optimizer_bytes=0,
                        activation_bytes=0, workspace_bytes=0, host_bytes=0, step_time_s=nan, throughput=nan,
                        flops=0, memory_source=memory_source, error=error, options=options or {})
 
@@ -106,7 +116,7 @@ def _breakdown(base, w: Workload, peak: int, bytes_of, probe: _Probe, flops: int
     workspace = max(0, peak - params - grads - optimizer - activation)
     step_time = statistics.median(times)
     return Measurement(
-        **base, fits=True, peak_bytes=peak, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
+        **_record(base), fits=True, peak_bytes=peak, params_bytes=params, grads_bytes=grads, optimizer_bytes=optimizer,
         activation_bytes=activation, workspace_bytes=workspace, host_bytes=probe.forward_host,
         step_time_s=step_time, throughput=base["batch_size"] / step_time, flops=flops,
         memory_source=memory_source, step_times_s=tuple(times), options=dict(w.options),

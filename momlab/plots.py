@@ -761,3 +761,38 @@ def save(fig: Figure, path_without_ext: str | Path) -> list[Path]:
 
 __all__ = ["MOM_STYLE", "mom_style", "describe", "memory_breakdown", "batch_curves",
            "largest_model", "size_curves", "gpu_count", "compare_table", "gradient_error", "loss_curves", "save"]
+
+
+def predicted_throughput(df: pd.DataFrame, *, title: str | None = None) -> Figure:
+    """Grouped bars: predicted throughput of each MOM (x) on each GPU (bars), from
+    `momlab.whatif.train_at_all`; a MOM that does not fit at batch 1 is marked "no fit"."""
+    if df.empty:
+        raise ValueError("predicted_throughput needs at least one row")
+    moms = _moms_in_order(df["mom"])
+    gpus_ = list(dict.fromkeys(df["gpu"]))
+    tokens = "tokens_per_s" in df.columns and df["tokens_per_s"].notna().any()
+    col, unit = ("tokens_per_s", "tokens/s") if tokens else ("throughput", "samples/s")
+    fig = Figure(figsize=(max(5.0, 0.9 * len(moms) * max(1, len(gpus_)) / 2 + 2), 4.0), layout="constrained")
+    ax = fig.subplots()
+    width = 0.8 / len(gpus_)
+    palette = sns.color_palette("colorblind", len(gpus_))
+    top = float(df[col].max() or 1.0)
+    for j, g in enumerate(gpus_):
+        sub = df[df["gpu"] == g].set_index("mom")
+        xs = np.arange(len(moms)) + (j - (len(gpus_) - 1) / 2) * width
+        heights = [float(sub[col].get(m, 0.0)) if bool(sub["trains"].get(m, False)) else 0.0 for m in moms]
+        ax.bar(xs, heights, width=width * 0.95, color=palette[j], label=g)
+        for x, m, h in zip(xs, moms, heights):
+            if m in sub.index and not bool(sub["trains"][m]):
+                ax.text(x, top * 0.02, "no fit", rotation=90, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(np.arange(len(moms)), [mom_style(m)["label"] for m in moms], fontsize=9)
+    ax.set_ylabel(f"predicted throughput ({unit})")
+    ax.grid(axis="y", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.legend(fontsize=8, ncols=len(gpus_), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    model, prec = df.attrs.get("model", ""), df.attrs.get("precision", "")
+    size = df.attrs.get("size") or {}
+    context = f"{model} {prec}" + (f", seq {size['seq_len']}" if "seq_len" in size else "") + \
+        " - predicted (momlab.estimate), at each MOM's best batch"
+    _title(fig, title if title is not None else "Which MOM lets it train, and how fast", context)
+    return fig

@@ -71,6 +71,8 @@ def canonical_params(params: dict) -> dict:
     if missing:
         raise ValueError(f"configuration lacks {', '.join(missing)}; a configuration has {', '.join(PARAM_KEYS)}")
     p = {k: params[k] for k in PARAM_KEYS}
+    if not isinstance(p["model"], str):  # a transformers config or a user's module: its name
+        p["model"] = p["model"].name
     p["mom"] = "+".join(sorted(str(p["mom"]).split("+")))  # quant4+ckpt == ckpt+quant4 (API.md)
     p["budget"] = None if p["budget"] is None else parse_bytes(p["budget"])
     p["size"] = {k: p["size"][k] for k in sorted(p["size"] or {})}

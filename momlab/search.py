@@ -41,11 +41,11 @@ from typing import Any, Callable
 
 from momlab.record import Measurement
 
-SIZE_KEYWORDS = ("num_layers", "hidden_size", "num_heads", "seq_len", "image_size", "width_per_group")
+SIZE_KEYWORDS = ("num_layers", "hidden_size", "num_heads", "seq_len", "image_size", "width_per_group", "vocab_size")
 
 # Grid steps used when the catalog cannot say (it normally can: catalog.size_step).
 _FALLBACK_STEP = {"num_layers": 1, "num_heads": 1, "seq_len": 8, "hidden_size": 64, "image_size": 32,
-                  "width_per_group": 8}
+                  "width_per_group": 8, "vocab_size": 64}
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ class Search:
     def to_dict(self) -> dict:
         return {"dim": self.dim, "value": self.value, "first_failure": self.first_failure,
                 "step": self.grid.step, "limit": self.grid.limit, "tried": list(self.tried),
-                "config": dict(self.config),
+                "config": {k: (v if k != "model" or isinstance(v, str) else v.name) for k, v in self.config.items()},
                 "trials": [m.to_dict() if hasattr(m, "to_dict") else m for m in self.trials]}
 
     def __repr__(self) -> str:
@@ -204,10 +204,11 @@ def size_step(model: str, dim: str, **size) -> int:
         return int(size["num_heads"])
     try:
         from momlab import catalog
+        from momlab.usermodel import resolve
     except ImportError:
         return _FALLBACK_STEP[dim]
     fn = getattr(catalog, "size_step", None)
-    return fn(model, dim) if fn is not None else _FALLBACK_STEP[dim]
+    return fn(resolve(model), dim) if fn is not None else _FALLBACK_STEP[dim]
 
 
 # -- running trials -------------------------------------------------------------
@@ -281,6 +282,16 @@ def _trial_function(measure_fn, fresh_process: bool, fixed: dict, dim: str) -> C
     return trial
 
 
+def _resolve(model, measure_fn):
+    """A transformers config or a user's module, resolved once for every trial (catalog names stay names;
+    with a `measure_fn` of its own, names are that function's business)."""
+    if isinstance(model, str) and measure_fn is not None:
+        return model
+    from momlab.usermodel import resolve
+
+    return resolve(model)
+
+
 def _check_budget(budget, device) -> None:
     if budget is None and str(device).split(":")[0] == "cpu":
         raise ValueError("a search on cpu needs a budget (the emulated device has no capacity of its own), "
@@ -293,6 +304,9 @@ def max_batch_size(model: str, mom: str = "exact", *, budget, device: str = "cpu
                    **size) -> Search:
     """Largest batch size (a multiple of `step`) whose training step fits `budget` on `device`.
 
+    `model`: a catalog name, a transformers config or a `momlab.UserModel`
+    (with `fresh_process`, it must pickle: a module defined in a notebook does not).
+
     `budget` is passed to every trial's `measure` (bytes or "2GiB"; on cuda
     None means the whole device). `size` keywords fix the model size.
     `measure_fn` replaces `momlab.measure.measure` (tests, caching).
@@ -302,6 +316,7 @@ def max_batch_size(model: str, mom: str = "exact", *, budget, device: str = "cpu
     (True, False, True)
     """
     _check_budget(budget, device)
+    model = _resolve(model, measure_fn)
     if "batch_size" in size:
         raise ValueError("max_batch_size searches batch_size; do not pass it")
     fixed = dict(model=model, mom=mom, device=device, budget=budget, precision=precision, steps=steps,
@@ -328,6 +343,7 @@ def max_model_size(model: str, mom: str = "exact", *, dim: str, batch_size: int,
     if dim in size:
         raise ValueError(f"max_model_size searches {dim}; do not also pass {dim}={size[dim]!r}")
     _check_budget(budget, device)
+    model = _resolve(model, measure_fn)
     step = size_step(model, dim, **size) if step is None else step
     fixed = dict(model=model, mom=mom, batch_size=batch_size, device=device, budget=budget, precision=precision,
                  steps=steps, warmup=warmup, seed=seed, **size)

@@ -76,6 +76,12 @@ FILE_KEYS = {
 REQUIRED_FILE_KEYS = ("models",)
 
 
+def _resolve(model):
+    from momlab.usermodel import resolve
+
+    return resolve(model)
+
+
 def search_store_path(store) -> Path:
     """Where a sweep keeps its search trials: beside the store, ``<stem>.search.jsonl``."""
     p = Path(store)
@@ -145,7 +151,7 @@ class _Runner:
         key = config_key(params, self.env)
         self.keys.append(key)
         size = ",".join(f"{k}={v}" for k, v in params["size"].items())
-        self.bar.set_description(f"{params['model']} {params['mom']} {params['precision']} "
+        self.bar.set_description(f"{params['model']!s} {params['mom']} {params['precision']} "
                                  f"bs={params['batch_size']} {size}".strip())
         if self.points.get(key) is None and self._mine(key):
             m = self._measure(params)
@@ -164,7 +170,7 @@ class _Runner:
             params["size"] = kwargs
             key = config_key(params, self.env)
             rec = self.trials.get(key)
-            self.bar.set_description(f"search {params['model']} {params['mom']} {params['precision']} "
+            self.bar.set_description(f"search {params['model']!s} {params['mom']} {params['precision']} "
                                      f"{scan}={params['batch_size'] if scan == 'batch_size' else kwargs[scan]}")
             if rec is not None:
                 return Measurement.from_dict(rec)
@@ -189,8 +195,9 @@ def model_size(size, model: str) -> dict:
     size keywords, or a mapping {model name: any of those} (one per model)."""
     from momlab import catalog
 
-    if isinstance(size, dict) and size and set(size) <= set(catalog.models()):
-        size = size.get(model)
+    name = model if isinstance(model, str) else model.name
+    if isinstance(size, dict) and size and set(size) <= {*catalog.models(), name} - set(catalog.SIZE_KEYWORDS):
+        size = size.get(name)
     if size == "tiny":
         return catalog.tiny(model)
     return dict(size or {})
@@ -234,7 +241,8 @@ def _check(models, moms, batch_sizes, budgets, device, precisions, size, sizes, 
         from momlab.workload import PRECISIONS, parse_mom
 
         for model in models:
-            check_choice("model", model, catalog.models())
+            if isinstance(model, str):
+                check_choice("model", model, catalog.models())
         for mom in moms:
             parse_mom(mom)
         for p in precisions:
@@ -444,6 +452,9 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
     >>> df = sweep(["bert-base", "gpt2"], ["exact", "ckpt"], batch_sizes=[1, 2], size="tiny",
     ...            workers=2)  # doctest: +SKIP
     """
+    # a transformers config or a user's module is one model, resolved once (momlab.usermodel)
+    models = [m if isinstance(m, str) else _resolve(m)
+              for m in (models if isinstance(models, (list, tuple)) else [models])]
     models = _as_list("models", models)
     moms = _as_list("moms", moms)
     precisions = _as_list("precision", precision)

@@ -33,6 +33,7 @@ from momlab.gpus import gpus
 from momlab.plots import OOM_MARKER, mom_style
 from momlab.plots import save as plots_save
 from momlab.units import format_bytes
+from momlab.usermodel import name_of, resolve
 
 PARTS = (("params_bytes", "weights"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer"),
          ("activation_bytes", "activations"), ("workspace_bytes", "workspace"))
@@ -40,7 +41,17 @@ PART_COLORS = ("#4C72B0", "#55A868", "#8172B2", "#DD8452", "#C44E52")
 # slider keywords per family, in display order
 SLIDERS = {"bert": ("num_layers", "hidden_size", "seq_len"), "gpt": ("num_layers", "hidden_size", "seq_len"),
            "vit": ("num_layers", "hidden_size", "image_size"), "swin": ("num_layers", "hidden_size", "image_size"),
-           "resnet": ("num_layers", "hidden_size", "image_size")}
+           "resnet": ("num_layers", "hidden_size", "image_size"),
+           "llama": ("num_layers", "hidden_size", "seq_len"), "qwen2": ("num_layers", "hidden_size", "seq_len"),
+           "mixtral": ("num_layers", "hidden_size", "seq_len")}
+
+
+def _sliders(model) -> tuple[str, ...]:
+    """The slider keywords of `model`: its family's, or a given model's own (a config, a user's module)."""
+    spec = catalog.spec(resolve(model))
+    if spec.family in SLIDERS:
+        return SLIDERS[spec.family]
+    return tuple(k for k in ("num_layers", "hidden_size", "seq_len", "image_size") if k in spec.keywords)
 
 
 def size_from(model: str, size=None, **flat) -> dict:
@@ -52,7 +63,7 @@ def size_from(model: str, size=None, **flat) -> dict:
     if size in (None, "", "default"):
         out = {}
     elif size == "tiny":
-        out = catalog.tiny(model)
+        out = catalog.tiny(resolve(model))
     elif isinstance(size, dict):
         out = dict(size)
     else:
@@ -65,7 +76,7 @@ def size_from(model: str, size=None, **flat) -> dict:
 class State:
     """What the figure shows: one configuration, several MOMs."""
 
-    model: str = "bert-large"
+    model: str = "bert-large"  # or a transformers config / momlab.UserModel (momlab.usermodel)
     gpu: str = "A100-40"
     precision: str = "fp32"
     moms: tuple = ("exact", "ckpt")
@@ -74,7 +85,7 @@ class State:
     results: object = None  # where measured records are (default results/*.jsonl)
 
     def resolved_size(self) -> dict:
-        return catalog.resolve_size(self.model, self.size)
+        return catalog.resolve_size(resolve(self.model), self.size)
 
 
 @dataclass
@@ -94,6 +105,7 @@ class View:
 
 def compute(state: State) -> View:
     """Estimates for `state` (traces on first use, then cached)."""
+    state = replace(state, model=resolve(state.model))  # a raw config: resolved once, named in the text
     g = get_gpu(state.gpu)
     at, curves, maxb, skipped = {}, {}, {}, {}
     for mom in state.moms:
@@ -161,7 +173,7 @@ def measured(state: State):
     out = []
     for r in _MEASURED[key]:
         env = r.get("env") or {}
-        if (r.get("model") == state.model and r.get("precision") == state.precision and r.get("size") == size
+        if (r.get("model") == name_of(state.model) and r.get("precision") == state.precision and r.get("size") == size
                 and env.get("device") == device and g.matches(env.get("device_name"))
                 and r.get("fits") and isinstance(r.get("throughput"), (int, float)) and r["throughput"] > 0):
             out.append(r)
@@ -306,7 +318,7 @@ def save(view: View, path_without_ext) -> list[Path]:
 def _slider_range(model: str, key: str, size: dict) -> tuple[int, int, int]:
     from momlab.search import size_step
 
-    spec = catalog.spec(model)
+    spec = catalog.spec(resolve(model))
     step = size_step(model, key, **{k: v for k, v in size.items() if k != key})
     default = max(spec.size[key], spec.tiny.get(key, spec.size[key]))
     low = step if key != "image_size" else max(step, spec.tiny.get(key, step))
@@ -326,7 +338,10 @@ class App:
         self.last_update_s = math.nan
         self._busy = False
         style = {"description_width": "80px"}
-        self.model = w.Dropdown(options=catalog.models(), value=state.model, description="model", style=style)
+        options = [(m, m) for m in catalog.models()]
+        if not isinstance(state.model, str):  # a given model: listed by its name beside the catalog
+            options.append((name_of(state.model), state.model))
+        self.model = w.Dropdown(options=options, value=state.model, description="model", style=style)
         self.gpu = w.Dropdown(options=gpus(), value=state.gpu, description="GPU", style=style)
         self.precision = w.Dropdown(options=["fp32", "bf16", "fp16"], value=state.precision, description="precision",
                                     style=style)
@@ -355,10 +370,9 @@ class App:
     def _build_sliders(self):
         import ipywidgets as w
 
-        family = catalog.spec(self.state.model).family
         size = self.state.resolved_size()
         self.sliders = {}
-        for key in SLIDERS[family]:
+        for key in _sliders(self.state.model):
             low, high, step = _slider_range(self.state.model, key, size)
             s = w.IntSlider(value=size[key], min=low, max=max(high, size[key]), step=step, description=key,
                             continuous_update=False, style={"description_width": "80px"})
@@ -413,3 +427,37 @@ def app(state: State | None = None, *, figure_path=None, **kw) -> App:
     if state is None:
         state = State(**kw)
     return App(state, figure_path)
+
+
+# -- which MOM lets a model train at all (notebook 08) ---------------------------------------------
+
+def train_at_all(model, gpus_: list[str], moms=None, *, precision: str = "bf16", results=None, **size):
+    """Per GPU and MOM, predicted: does `model` train at all (largest batch > 0), its best batch and speed.
+
+    One row per (gpu, mom): ``max_batch`` (0: not even batch 1 fits),
+    ``best_batch`` and ``throughput`` (samples/s, the highest predicted
+    under the memory), ``tokens_per_s`` (throughput x seq_len, for text),
+    ``peak_at_1`` (predicted peak at batch 1) against ``capacity``, and
+    ``calibrated`` (step times fitted from measurements of that GPU, else
+    the default efficiency). Every number is a prediction (`momlab.estimate`).
+    """
+    import pandas as pd
+
+    from momlab.estimate import verdict
+
+    model = resolve(model)
+    full = catalog.resolve_size(model, size)
+    rows = []
+    for g in gpus_:
+        v = verdict(model, moms, gpu=g, precision=precision, batch_size=1, results=results, **size)
+        for r in v["rows"]:
+            if not r.get("applicable"):
+                continue
+            rows.append({"gpu": g, "mom": r["mom"], "trains": r["max_batch"] > 0, "max_batch": r["max_batch"],
+                         "best_batch": r["best_batch"], "throughput": r["throughput"],
+                         "tokens_per_s": r["throughput"] * full["seq_len"] if "seq_len" in full else math.nan,
+                         "peak_at_1": r["peak_at_batch"], "capacity": get_gpu(g).memory_bytes,
+                         "calibrated": r["calibrated"], "source": "predicted"})
+    df = pd.DataFrame(rows)
+    df.attrs.update(model=name_of(model), precision=precision, size=full)
+    return df

@@ -1,4 +1,8 @@
-"""A Workload: one catalog model with its MOM, optimizer, precision and data.
+"""A Workload: one model with its MOM, optimizer, precision and data.
+
+The model is a catalog name, a transformers config or a user's module
+(`momlab.usermodel.resolve` says which; the catalog's functions answer for
+all three).
 
 `build()` is the recipe that fixes the order (torchtitan's way): make the
 model, move it to the device, apply the MOM (which wraps blocks and installs
@@ -24,6 +28,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from momlab import catalog
 from momlab.device import autocast, check_device
+from momlab.usermodel import resolve
 from momlab.errors import check_choice
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -51,7 +56,11 @@ def parse_mom(mom: str) -> str:
 
 @dataclass
 class Workload:
-    """A model ready to train: `.step()` runs forward, loss, backward, optimizer, zero grads."""
+    """A model ready to train: `.step()` runs forward, loss, backward, optimizer, zero grads.
+
+    `name` is the model as `build` took it, resolved: a catalog name, or a
+    `ConfigModel` / `UserModel` (whose ``.name`` records use).
+    """
 
     name: str
     size: dict
@@ -142,7 +151,9 @@ class Workload:
 
 def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu", precision: str = "fp32",
           seed: int = 0, **size) -> Workload:
-    """Build `model` at `size` with `mom` applied, ready to `.step()`."""
+    """Build `model` (a catalog name, transformers config or `momlab.UserModel`) at `size` with `mom`
+    applied, ready to `.step()`."""
+    model = resolve(model)
     spec = catalog.spec(model)
     size = catalog.resolve_size(model, size)
     check_batch_size(batch_size)
@@ -154,6 +165,7 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     if dev.type == "meta":
         with torch.device("meta"):
             net = catalog.make_model(model, size)
+        net = net.to("meta")  # a user's module instance is copied with its own (cpu) weights
     else:
         net = catalog.make_model(model, size)
         if dev.type != "cpu":  # built on the CPU; .to() would try to swap a fake tensor's storage (estimate)
@@ -163,7 +175,14 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     if mom != "exact":
         from momlab.moms import apply
 
-        handle = apply(net, mom, blocks=catalog.blocks(model, net))
+        blocks = catalog.blocks(model, net)
+        if not blocks and not isinstance(model, str) and any(
+                p.startswith("ckpt") for p in mom.split("+")):
+            raise ValueError(
+                f"{mom} checkpoints repeated blocks and none were found in {model.name} (no nn.ModuleList or "
+                f"nn.Sequential of same-class layers): name them, momlab.UserModel(module, ..., blocks='layers') "
+                f"(an attribute path or a function of the module returning its blocks)")
+        handle = apply(net, mom, blocks=blocks)
     if spec.optimizer == "adamw":
         opt = torch.optim.AdamW(net.parameters(), foreach=FOREACH, **ADAMW)
     else:

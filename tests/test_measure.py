@@ -42,7 +42,8 @@ def test_model_state_bytes_are_exact(model):
     assert m.flops > 0 and m.step_time_s > 0 and m.throughput == pytest.approx(2 / m.step_time_s)
 
 
-@pytest.mark.parametrize("model", ["bert-base", "gpt2", "swin-tiny", "resnet50", "vit-base"])
+@pytest.mark.parametrize("model", ["bert-base", "gpt2", "swin-tiny", "resnet50", "vit-base", "llama-1b", "qwen2-0.5b",
+                                   "mixtral-8x7b"])
 def test_activation_bytes_are_the_saved_tensors(model):
     """activation_bytes == unique non-parameter storages saved for backward, plus the loss."""
     size = catalog.tiny(model)
@@ -60,10 +61,15 @@ def test_activation_bytes_are_the_saved_tensors(model):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = catalog.loss(model, w.model, w.batch())
-    assert m.activation_bytes == sum(saved.values()) + loss.untyped_storage().nbytes()
+    # Mixtral's grouped expert op (transformers' grouped_mm_fallback) keeps its offsets, one int32 per
+    # expert and layer, on its autograd context rather than through saved-tensor hooks: held all the same
+    spec = catalog.spec(model)
+    offsets = size["num_layers"] * spec.extra["experts"] * 4 if spec.family == "mixtral" else 0
+    assert m.activation_bytes == sum(saved.values()) + loss.untyped_storage().nbytes() + offsets
 
 
-@pytest.mark.parametrize("model", ["bert-base", "gpt2", "swin-tiny", "resnet50", "vit-base"])
+@pytest.mark.parametrize("model", ["bert-base", "gpt2", "swin-tiny", "resnet50", "vit-base", "llama-1b", "qwen2-0.5b",
+                                   "mixtral-8x7b"])
 def test_activation_bytes_grow_linearly_with_batch(model):
     size = catalog.tiny(model)
     a = [measure(model, batch_size=b, steps=1, **size).activation_bytes for b in (2, 3, 4, 6)]

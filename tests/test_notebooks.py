@@ -20,6 +20,7 @@ FIGURES = {
     "05_lossy_moms": ["05_gradient_error", "05_loss_curves"],
     "06_what_if": ["06_what_if"],
     "07_gpu_count": ["07_gpu_count", "07_rank_memory"],
+    "08_your_model": ["08_your_model", "08_what_if_llm"],
 }
 
 
