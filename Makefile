@@ -33,7 +33,7 @@ test-fast: $(VENV)/.installed ## the tests not marked slow
 # SWEEP: launch flags for the notebooks' sweeps, e.g. SWEEP="--workers 4" (README, momlab.launch)
 SWEEP ?=
 figures: $(VENV)/.installed ## run every notebook with $(PARAMS) (and $(SWEEP) flags): results/ and figures/
-	$(PY) -m momlab.figures $(SWEEP) $(PARAMS) $(NOTEBOOKS)
+	$(PY) -m momlab figures $(SWEEP) $(PARAMS) $(NOTEBOOKS)
 
 bench: $(VENV)/.installed ## benchmarks: ratios measured side by side in one run
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

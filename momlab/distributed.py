@@ -70,9 +70,7 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
-import hashlib
 import inspect
-import json
 import math
 import os
 import shutil
@@ -84,7 +82,6 @@ import traceback
 import weakref
 from contextlib import ExitStack, contextmanager, nullcontext
 from multiprocessing.connection import wait as wait_for
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -94,15 +91,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from momlab import catalog
 from momlab.accounting import StorageTracker, host_allocation
-from momlab.device import CudaMemory, check_device, empty_cache, is_oom, synchronize
-from momlab.errors import OutOfMemory, check_choice
+from momlab.device import CudaMemory, empty_cache, is_oom, synchronize
+from momlab.config import PARALLEL, Config, parallel_name, parse_parallel  # noqa: F401  (re-exported)
+from momlab.errors import OutOfMemory
 from momlab.provenance import environment
 from momlab.record import Measurement
-from momlab.units import parse_bytes
-from momlab.workload import PRECISIONS, Workload, build, check_batch_size, parse_mom
+from momlab.usermodel import name_of
+from momlab.workload import Workload, build
 
-# the spellings `parallel` accepts; "+offload" only where weights are sharded
-PARALLEL = ("none", "ddp", "fsdp", "zero2", "fsdp+offload", "zero2+offload")
 DEFAULT_TIMEOUT_S = 900.0
 CPU_THREADS_PER_RANK = 1
 # after one rank failed (died, ran out of memory, raised), how long the others
@@ -129,41 +125,6 @@ class RankFailed(RuntimeError):
 
 
 # -- names and checks ------------------------------------------------------------------
-
-def parse_parallel(parallel: str, offload: bool = False) -> tuple[str, bool]:
-    """(strategy, offload) from a `parallel` spelling; ValueError naming the valid ones.
-
-    >>> parse_parallel("fsdp+offload"), parse_parallel("zero2", offload=True), parse_parallel("ddp")
-    (('fsdp', True), ('zero2', True), ('ddp', False))
-    """
-    if not isinstance(parallel, str):
-        raise ValueError(f"parallel must be a string, one of {', '.join(PARALLEL)}; got {parallel!r}")
-    name = parallel.strip().lower()
-    check_choice("parallel", name, PARALLEL)
-    strategy, _, extra = name.partition("+")
-    offload = bool(offload) or extra == "offload"
-    if offload and strategy not in ("fsdp", "zero2"):
-        raise ValueError(f"offload moves sharded weights, gradients and optimizer state to the host; it needs "
-                         f"parallel 'fsdp' or 'zero2', not {strategy!r}")
-    return strategy, offload
-
-
-def parallel_name(strategy: str, offload: bool) -> str:
-    return strategy + ("+offload" if offload else "")
-
-
-def check_ranks(ranks, strategy: str, device: torch.device) -> int:
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
-    if strategy == "none" and ranks != 1:
-        raise ValueError(f"parallel='none' trains on one rank (ranks=1); with ranks={ranks} use 'ddp', 'fsdp' "
-                         f"or 'zero2'")
-    if device.type == "cuda" and ranks > torch.cuda.device_count():
-        raise ValueError(f"ranks={ranks} needs one GPU per rank; this machine has {torch.cuda.device_count()}")
-    if device.type == "cuda" and device.index not in (None, 0):
-        raise ValueError(f"rank r runs on cuda:r; give device='cuda', not {device}")
-    return ranks
-
 
 def threads_per_rank(ranks: int, device: torch.device) -> int:
     """CPU threads of each rank. On CPU one (torchrun's default), so that a rank stands for one device of
@@ -772,27 +733,6 @@ def _supervise(procs, readers, cfg, timeout_s):
 
 # -- measure_distributed -----------------------------------------------------------------------
 
-def _check(model, mom, ranks, parallel, offload, batch_size, device, budget, precision, steps, warmup, timeout_s,
-           size):
-    catalog.spec(model)
-    size = catalog.resolve_size(model, size)
-    mom = parse_mom(mom)
-    strategy, offload = parse_parallel(parallel, offload)
-    check_batch_size(batch_size)
-    check_choice("precision", precision, PRECISIONS)
-    dev = check_device(device)
-    if dev.type == "meta":
-        raise ValueError("measure_distributed runs on a real device (cpu or cuda)")
-    ranks = check_ranks(ranks, strategy, dev)
-    budget = None if budget is None else parse_bytes(budget)
-    for name, value in (("steps", steps), ("warmup", warmup)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
-    return size, mom, strategy, offload, dev, ranks, budget
-
-
 def measure_distributed(model: str, mom: str = "exact", *, ranks: int, parallel: str = "ddp", batch_size: int,
                         device: str = "cpu", budget=None, precision: str = "fp32", steps: int = 3, warmup: int = 1,
                         seed: int = 0, offload: bool = False, timeout_s: float = DEFAULT_TIMEOUT_S, _fault=None,
@@ -822,18 +762,29 @@ def measure_distributed(model: str, mom: str = "exact", *, ranks: int, parallel:
     >>> m.throughput == 2 * 2 / m.step_time_s  # doctest: +SKIP
     True
     """
-    size, mom, strategy, offload, dev, ranks, budget = _check(
-        model, mom, ranks, parallel, offload, batch_size, device, budget, precision, steps, warmup, timeout_s, size)
-    cfg = dict(model=model, mom=mom, ranks=ranks, strategy=strategy, offload=offload, batch_size=batch_size,
-               device=dev.type, precision=precision, size=size, budget=budget, steps=steps, warmup=warmup, seed=seed,
-               threads=threads_per_rank(ranks, dev), fault=_fault)
-    base = dict(model=model, mom=mom, batch_size=batch_size, device=dev.type, precision=precision, size=size,
-                budget=budget, env={**environment(dev), "threads": cfg["threads"]})
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    return measure_ranks(Config.of(model, mom, ranks=ranks, parallel=parallel, offload=offload, batch_size=batch_size,
+                                   device=device, budget=budget, precision=precision, steps=steps, warmup=warmup,
+                                   seed=seed, what="measure_distributed", **size),
+                         timeout_s=timeout_s, _fault=_fault)
+
+
+def measure_ranks(config: Config, *, timeout_s: float = DEFAULT_TIMEOUT_S, _fault=None) -> Measurement:
+    """`measure_distributed` of a checked `Config` (what `momlab.measure` calls with ranks= / parallel=)."""
+    c, dev = config, config.device
+    threads = threads_per_rank(c.ranks, dev)
+    cfg = dict(model=c.model, mom=c.mom, ranks=c.ranks, strategy=c.parallel, offload=c.offload,
+               batch_size=c.batch_size, device=dev.type, precision=c.precision, size=c.size, budget=c.budget,
+               steps=c.steps, warmup=c.warmup, seed=c.seed, threads=threads, fault=_fault)
+    base = dict(model=name_of(c.model), mom=c.mom, batch_size=c.batch_size, device=dev.type, precision=c.precision,
+                size=c.size, budget=c.budget, env={**environment(dev), "threads": threads})
     results, ooms = launch(cfg, timeout_s=float(timeout_s))
-    options = {"ranks": ranks, "parallel": parallel_name(strategy, offload), "offload": offload,
-               "global_batch_size": ranks * batch_size, "threads_per_rank": cfg["threads"],
+    options = {"ranks": c.ranks, "parallel": parallel_name(c.parallel, c.offload), "offload": c.offload,
+               "global_batch_size": c.ranks * c.batch_size, "threads_per_rank": threads,
                "launcher": "torch.multiprocessing forkserver",
-               "backend": None if strategy == "none" else ("nccl" if dev.type == "cuda" else "gloo")}
+               "backend": None if c.parallel == "none" else ("nccl" if dev.type == "cuda" else "gloo")}
+    ranks = c.ranks
     if ooms:
         return _unfit(base, ranks, results, ooms, options)
     return _combine(base, ranks, results, options)
@@ -882,205 +833,5 @@ def measurer(ranks: int, parallel: str = "ddp", *, offload: bool = False, timeou
                              timeout_s=timeout_s)
 
 
-# -- scans over rank counts: the data of notebook 07 -------------------------------------------
-
-def record_key(params: dict, env: dict, ranks: int, parallel: str) -> str:
-    """The store key of a distributed point: momlab.results' key of the configuration, plus ranks and parallel."""
-    from momlab.results import config_key
-
-    blob = json.dumps([config_key(params, env), ranks, parallel])
-    return hashlib.sha256(blob.encode()).hexdigest()[:20]
-
-
-def ranks_store_path(store) -> Path:
-    """Where `scan_ranks` keeps its records: beside `store`, ``<stem>.ranks.jsonl``, so single-device
-    analyses of `store` never mix in multi-rank records."""
-    p = Path(store)
-    return p.with_name((p.name[:-6] if p.name.endswith(".jsonl") else p.name) + ".ranks.jsonl")
-
-
-def scan_ranks(model: str, moms=("exact",), *, ranks=(1, 2), parallel=("ddp", "fsdp"), batch_sizes=(2, 4),
-               store, size=None, device: str = "cpu", budget=None, precision: str = "fp32", steps: int = 3,
-               warmup: int = 1, seed: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S):
-    """Measure moms x parallel x ranks x batch sizes into ``ranks_store_path(store)``; return its frame.
-
-    `size`: size keywords, or "tiny" for the model's tiny preset. Resumable
-    like momlab.sweep: a point already recorded (same configuration, ranks,
-    parallel and environment) is not measured again. ``ranks=1`` is
-    measured as parallel ``none`` (plain training, the 1-GPU point of every
-    strategy). Records carry ``ranks`` and ``parallel`` columns. A run whose
-    rank failed is recorded with ``fits=False`` and the error.
-
-    >>> df = scan_ranks("bert-base", ["exact", "ckpt"], size="tiny",
-    ...                 store="results/smoke.jsonl")  # doctest: +SKIP
-    """
-    from momlab.results import Store, environment as stamp, make_record, to_frame
-
-    size = catalog.tiny(model) if size == "tiny" else dict(size or {})
-    env = stamp(device)
-    s = Store(ranks_store_path(store))
-    keys = []
-    plan = [("none" if r == 1 else p, r) for p in ([parallel] if isinstance(parallel, str) else parallel)
-            for r in ranks]
-    for p, r in dict.fromkeys(plan):
-        for mom in ([moms] if isinstance(moms, str) else moms):
-            for b in batch_sizes:
-                params = dict(model=model, mom=mom, batch_size=b, device=device, precision=precision,
-                              size=catalog.resolve_size(model, size), budget=budget, steps=steps, warmup=warmup,
-                              seed=seed)
-                key = record_key(params, env, r, p)
-                keys.append(key)
-                if s.get(key) is not None:
-                    continue
-                try:
-                    m = measure_distributed(model, mom, ranks=r, parallel=p, batch_size=b, device=device,
-                                            budget=budget, precision=precision, steps=steps, warmup=warmup,
-                                            seed=seed, timeout_s=timeout_s, **size)
-                except RankFailed as exc:
-                    m = Measurement(model=model, mom=parse_mom(mom), batch_size=b, device=device,
-                                    precision=precision, size=params["size"], fits=False, peak_bytes=0,
-                                    params_bytes=0, grads_bytes=0, optimizer_bytes=0, activation_bytes=0,
-                                    workspace_bytes=0, host_bytes=0, step_time_s=math.nan, throughput=math.nan,
-                                    flops=0, error=str(exc).splitlines()[0], options={"ranks": r, "parallel": p})
-                rec = make_record(m, params, env, ranks=r, parallel=p)
-                rec["key"] = key
-                s.append(rec)
-    by_key = {rec.get("key"): rec for rec in s.records()}
-    return to_frame([by_key[k] for k in dict.fromkeys(keys) if k in by_key])
-
-
-def rank_scaling(df, baseline: str = "exact"):
-    """Per model, parallel strategy, rank count and MOM: the maximum throughput over the batches that fit, the
-    batch where it is reached, and its ratio to `baseline`'s at the same strategy and rank count.
-
-    Columns: model, parallel, panel ("model, parallel"), gpus (the rank
-    count), mom, max_batch_size, best_batch_size, max_throughput, ratio: what
-    `momlab.plots.gpu_count` draws (a panel per strategy with
-    ``model=panel``). Rows at one rank (parallel ``none``) are repeated under
-    every strategy, as its 1-GPU point.
-    """
-    import pandas as pd
-
-    df = df[df["fits"].astype(bool)]
-    strategies = sorted({p for p in df["parallel"] if p != "none"}) or ["none"]
-    rows = []
-    for (model, par, ranks, mom), g in df.groupby(["model", "parallel", "ranks", "mom"]):
-        best = g.loc[g["throughput"].idxmax()]
-        for p in (strategies if par == "none" else [par]):
-            rows.append(dict(model=model, parallel=p, panel=f"{model}, {p}", gpus=int(ranks), mom=mom,
-                             max_batch_size=int(g["batch_size"].max()), best_batch_size=int(best["batch_size"]),
-                             max_throughput=float(best["throughput"])))
-    out = pd.DataFrame(rows, columns=["model", "parallel", "panel", "gpus", "mom", "max_batch_size",
-                                      "best_batch_size", "max_throughput"])
-    base = out[out["mom"] == baseline].set_index(["model", "parallel", "gpus"])["max_throughput"]
-    out["ratio"] = [t / base.get((m, p, g), math.nan)
-                    for m, p, g, t in zip(out["model"], out["parallel"], out["gpus"], out["max_throughput"])]
-    return out.sort_values(["model", "parallel", "mom", "gpus"]).reset_index(drop=True)
-
-
-def rank_memory(df, batch_size: int | None = None):
-    """Per-rank memory against rank count: one row per (model, parallel, ranks, mom, batch) that fits, with
-    the per-rank fields (maximum over ranks) and ``comm_bytes``."""
-    df = df[df["fits"].astype(bool)].copy()
-    if batch_size is not None:
-        df = df[df["batch_size"] == batch_size]
-    df["comm_bytes"] = [(o or {}).get("comm_bytes", 0) if isinstance(o, dict) else 0 for o in df["options"]]
-    df["model_state_bytes"] = df["params_bytes"] + df["grads_bytes"] + df["optimizer_bytes"]
-    cols = ["model", "parallel", "ranks", "mom", "batch_size", "peak_bytes", "params_bytes", "grads_bytes",
-            "optimizer_bytes", "model_state_bytes", "activation_bytes", "comm_bytes", "workspace_bytes", "host_bytes"]
-    return df[cols].sort_values(["model", "parallel", "mom", "batch_size", "ranks"]).reset_index(drop=True)
-
-
-def rank_memory_figure(table, *, title: str | None = "Per-rank memory against rank count"):
-    """Per-rank peak and model state (weights + gradients + optimizer) against rank count, a line per parallel
-    strategy and MOM. Takes `rank_memory`'s table (one batch size). Belongs in momlab.plots."""
-    from matplotlib.figure import Figure
-
-    from momlab.units import format_bytes
-
-    fig = Figure(figsize=(9, 3.4), layout="constrained")
-    axes = fig.subplots(1, 2, sharey=True)
-    styles = {"none": ("#222222", "o"), "ddp": ("#0173b2", "s"), "fsdp": ("#de8f05", "^"),
-              "zero2": ("#029e73", "v")}
-    dashes = ["-", "--", ":", "-."]
-    moms = sorted(dict.fromkeys(table["mom"]), key=lambda m: m != "exact")  # exact solid, first
-    strategies = [p for p in dict.fromkeys(table["parallel"]) if p != "none"]
-    for ax, column, label in zip(axes, ["peak_bytes", "model_state_bytes"], ["peak", "weights + grads + optimizer"]):
-        for p in strategies:
-            color, marker = styles.get(p.split("+")[0], ("#949494", "D"))
-            for i, mom in enumerate(moms):
-                t = table[((table["parallel"] == p) | (table["parallel"] == "none")) & (table["mom"] == mom)]
-                t = t.sort_values("ranks")
-                ax.plot(t["ranks"], t[column] / 2**20, color=color, marker=marker, linestyle=dashes[i % 4],
-                        label=f"{p}, {mom}")
-        ax.set_xscale("log", base=2)
-        counts = sorted(set(table["ranks"]))
-        ax.set_xticks(counts, [str(c) for c in counts])
-        ax.minorticks_off()
-        ax.set_xlabel("ranks")
-        ax.set_title(f"per-rank {label}", fontsize=10)
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("MiB per rank")
-    axes[1].legend(fontsize=8, frameon=False, loc="upper right")
-    if title:
-        peak = format_bytes(table["peak_bytes"].max()) if len(table) else "-"
-        fig.suptitle(f"{title} (largest peak {peak}; 1 rank = plain training)", fontsize=11)
-    return fig
-
-
-# -- command line: `python -m momlab measure MODEL --ranks 2 --parallel fsdp` -----------------------------
-
-def add_subparsers(subparsers) -> None:
-    """Give momlab.cli's `measure` the flags --ranks, --parallel, --offload and --timeout.
-
-    Any of them set routes the command to `measure_distributed`; without them
-    `measure` runs as before.
-    """
-    m = subparsers.choices.get("measure")
-    if m is None:
-        return
-    m.add_argument("--ranks", type=int, default=None, help="ranks (processes; one GPU each on cuda)")
-    m.add_argument("--parallel", default=None, choices=PARALLEL,
-                   help="data parallel strategy (default ddp when --ranks is given)")
-    m.add_argument("--offload", action="store_true", help="fsdp/zero2: shards and optimizer state on the host")
-    m.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds before the run is stopped")
-    single = m.get_default("func")
-
-    def dispatch(args) -> int:
-        if args.ranks is None and args.parallel is None and not args.offload:
-            return single(args)
-        return cli_measure(args)
-
-    m.set_defaults(func=dispatch)
-
-
-def cli_measure(args) -> int:
-    from momlab.cli import _table, size_from
-
-    ranks = 1 if args.ranks is None else args.ranks
-    parallel = args.parallel or ("fsdp" if args.offload else "ddp" if ranks > 1 else "none")
-    try:
-        m = measure_distributed(args.model, args.mom, ranks=ranks, parallel=parallel, offload=args.offload,
-                                batch_size=args.batch_size, device=args.device, budget=args.budget,
-                                precision=args.precision, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                                timeout_s=args.timeout, **size_from(args, args.model))
-    except RankFailed as exc:
-        print(f"python -m momlab measure: error: {exc}", file=__import__("sys").stderr)
-        return 1
-    d = m.to_dict()
-    if args.json:
-        print(json.dumps(d, allow_nan=True))
-    else:
-        per_rank = d["options"].pop("per_rank")
-        d["options"].pop("losses", None)
-        print(_table(d))
-        from momlab.units import format_bytes
-
-        for r in per_rank:
-            print(f"rank {r['rank']}: " + ", ".join(f"{k[:-6]} {format_bytes(r[k])}" for k in RANK_FIELDS))
-    return 0
-
-
 __all__ = ["PARALLEL", "RankFailed", "RankTracker", "apply_ddp", "apply_fsdp", "launch", "measure_distributed",
-           "measurer", "parallelize", "parse_parallel", "rank_memory", "rank_memory_figure", "rank_scaling",
-           "scan_ranks"]
+           "measurer", "parallelize", "parse_parallel"]

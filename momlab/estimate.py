@@ -57,6 +57,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -66,13 +67,11 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from momlab import catalog
 from momlab.gpus import Gpu
 from momlab.gpus import get as get_gpu
-from momlab.gpus import gpus as gpu_names
 from momlab.accounting import StorageTracker, unique_storage_bytes
-from momlab import timemodel
+from momlab import metrics, timemodel
 from momlab.errors import check_choice
 from momlab.units import format_bytes, parse_bytes
-from momlab.timemodel import (  # noqa: F401  (re-exported: callers have imported them from here)
-    QUICK_CPU, Calibration, StepTime, _peaks, _result_files, _roofline, step_time)
+from momlab.timemodel import Calibration, step_time
 from momlab.usermodel import name_of, resolve
 from momlab.workload import PRECISIONS, build, check_batch_size, parse_mom
 
@@ -524,7 +523,7 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
     model = resolve(model)
     size = catalog.resolve_size(model, size)
     mom = parse_mom(mom)
-    if "ckpt-auto" in mom.split("+"):
+    if mom.has("ckpt-auto"):
         raise ValueError(f"{mom!r}: ckpt-auto's plan is chosen by measuring steps under a budget "
                          f"(momlab.measure); estimate 'exact' and 'ckpt', which bound it")
     check_choice("precision", precision, PRECISIONS)
@@ -571,7 +570,8 @@ _ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops", "group", "grou
 
 # modules a trace never runs: the time model reads traces, validation and plots read estimates; gpus:
 # a trace depends only on its `kernels`, which is in the key
-_UNTRACED = frozenset({"timemodel.py", "validation.py", "plots.py", "whatif.py", "gpus.py"})
+_UNTRACED = frozenset({"timemodel.py", "validation.py", "plots.py", "whatif.py", "gpus.py", "cli.py", "metrics.py",
+                       "figures.py", "launch.py", "gpucheck.py"})
 
 
 def _source_digest(package: Path) -> str:
@@ -709,6 +709,17 @@ class Estimate:
         d = asdict(self)
         d["device"] = self.device
         return d
+
+
+def records(estimates) -> pd.DataFrame:
+    """Estimates as records `momlab.metrics` reads like measured ones: the GPU is the device, its capacity
+    the budget (so one GPU's estimates are one configuration)."""
+    return pd.DataFrame([{**e.to_dict(), "device": e.gpu, "budget": e.capacity_bytes} for e in estimates])
+
+
+def s1_grid(max_batch: int) -> list[int]:
+    """The batches an S1 verdict scans: `batch_grid` and the first batch that does not fit."""
+    return sorted(set(batch_grid(max_batch)) | {max_batch + 1})
 
 
 def _check_gpu_precision(g: Gpu, precision: str, tf32: bool) -> None:
@@ -883,7 +894,7 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
     moms = ["exact", *[m for m in moms_module.moms() if m != "exact"]] if moms is None else list(moms)
     if not moms:
         raise ValueError("verdict needs at least one MOM")
-    rows, text = [], []
+    rows, text, curves = [], [], []
     for mom in moms:
         try:
             g, prof = _prepare(model, mom, gpu, precision, False, size)
@@ -892,8 +903,11 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
             continue
         cap = _capacity(g, budget)
         mb = prof.max_batch_size(cap)
-        best = best_throughput(model, mom, gpu=gpu, precision=precision, budget=budget, results=results,
-                               max_batch=mb, **size)
+        curve = throughput_curve(model, mom, gpu=gpu, batch_sizes=s1_grid(mb), precision=precision, budget=budget,
+                                 results=results, **size)
+        curves += curve
+        fitting = [e for e in curve if e.fits]
+        best = max(fitting, key=lambda e: e.throughput) if fitting else None
         row = {"mom": prof.mom, "applicable": True, "max_batch": mb,
                "best_batch": best.batch_size if best else 0,
                "throughput": best.throughput if best else 0.0,
@@ -905,17 +919,12 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
             row.update(at_batch=batch_size, fits_at_batch=e.fits, peak_at_batch=e.peak_bytes,
                        throughput_at_batch=e.throughput, step_time_at_batch=e.step_time_s)
         rows.append(row)
-    usable = [r for r in rows if r.get("applicable") and r["max_batch"] > 0]
-    exact = next((r for r in rows if r["mom"] == "exact" and r.get("applicable")), None)
-    s1 = {"best": None, "ratio_vs_exact": math.nan}
-    if usable:
-        best = max(usable, key=lambda r: r["throughput"])
-        base = exact["throughput"] if exact and exact["max_batch"] > 0 else 0.0
-        s1 = {"best": best["mom"], "throughput": best["throughput"], "batch_size": best["best_batch"],
-              "ratio_vs_exact": best["throughput"] / base if base > 0 else math.inf}
-        text.append(_s1_text(model, gpu, best, exact, s1["ratio_vs_exact"]))
+    if curves:
+        s1 = metrics.s1_verdict(metrics.s1_summary(records(curves)), where=gpu)
     else:
-        text.append(f"S1: nothing fits {model} on {gpu}, not even at batch 1")
+        s1 = {"best": None, "ratio_vs_exact": math.nan,
+              "text": f"S1: no MOM of {moms} applies to {name_of(model)}."}
+    text.append(s1.pop("text"))
     if batch_size is not None:
         for r in rows:
             if r.get("applicable") and "fits_at_batch" in r:
@@ -943,60 +952,6 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
                         + (f" ({best[dim] / base:.2f}x exact's {base})" if base else " (exact fits none)"))
     out["text"] = "\n".join(text)
     return out
-
-
-def _s1_text(model, gpu, best, exact, ratio) -> str:
-    head = (f"S1: on {gpu}, {best['mom']} gives the highest {model} throughput: {best['throughput']:.4g} "
-            f"samples/s at batch {best['best_batch']} (max batch {best['max_batch']})")
-    if best["mom"] == "exact":
-        return head + "; no MOM beats exact"
-    if exact is None or not exact.get("applicable"):
-        return head
-    if exact["max_batch"] == 0:
-        return head + "; exact does not fit at all"
-    return head + f", {ratio:.2f}x exact ({exact['throughput']:.4g} samples/s at batch {exact['best_batch']})"
-
-
-# -- command line -----------------------------------------------------------------------------
-
-def _cmd_estimate(args) -> int:
-    import json
-
-    from momlab.cli import _table, size_from
-
-    size = size_from(args, args.model)
-    e = estimate(args.model, args.mom, batch_size=args.batch_size, gpu=args.gpu, precision=args.precision,
-                 budget=args.budget, tf32=args.tf32, **size)
-    d = e.to_dict()
-    if args.max_batch:
-        d["max_batch_size"] = predict_max_batch(args.model, args.mom, gpu=args.gpu, precision=args.precision,
-                                                budget=args.budget, **size)
-    if args.json:
-        print(json.dumps(d, allow_nan=True))
-    else:
-        print(_table({k: v for k, v in d.items() if k not in ("time", "calibration")}))
-        print(f"{'calibration':18s} {e.calibration}")
-        if not e.calibrated:
-            print("note: uncalibrated device: step time uses the default efficiency; measure on it to calibrate")
-    return 0
-
-
-def add_subparsers(subparsers) -> None:
-    """`python -m momlab estimate MODEL --gpu A100-40 --mom ckpt --batch-size 256 [--json]`."""
-    from momlab.cli import add_size_flags
-
-    p = subparsers.add_parser("estimate", help="predict memory and speed on a GPU without running on it")
-    p.add_argument("model")
-    p.add_argument("--gpu", required=True, help="one of: " + ", ".join(gpu_names()))
-    p.add_argument("--mom", default="exact")
-    p.add_argument("--batch-size", type=int, required=True)
-    p.add_argument("--precision", default="fp32")
-    p.add_argument("--budget", default=None, help="judge fits against this many bytes instead of the GPU's memory")
-    p.add_argument("--tf32", action="store_true", help="fp32 matmuls on tf32 tensor cores")
-    p.add_argument("--max-batch", action="store_true", help="also print the predicted largest batch that fits")
-    p.add_argument("--json", action="store_true")
-    add_size_flags(p)
-    p.set_defaults(func=_cmd_estimate)
 
 
 class _CallableModule(types.ModuleType):

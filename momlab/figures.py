@@ -12,8 +12,8 @@ Executed copies go to build/notebooks/ (build output, never committed); the
 notebooks write results into the store and figures into `figures_dir`. A
 notebook the file does not mention is skipped, with a line saying so.
 
-    python -m momlab.figures params/default.yaml notebooks/01_memory_breakdown.ipynb ...
-    python -m momlab.figures --workers 4 params/h200.yaml notebooks/*.ipynb
+    python -m momlab figures params/default.yaml notebooks/01_memory_breakdown.ipynb ...
+    python -m momlab figures --workers 4 params/h200.yaml notebooks/*.ipynb
 
 The launch flags (--workers, --launcher slurm, ...: momlab.launch) reach every
 `momlab.sweep` the notebooks call, through the environment variable
@@ -22,10 +22,8 @@ MOMLAB_SWEEP_LAUNCH, so the notebooks stay free of cluster details.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -93,23 +91,3 @@ def run(params_path, notebooks, out_dir=ROOT / "build" / "notebooks", overrides:
         print(f"done {nb.name} in {time.perf_counter() - t0:.0f} s", flush=True)
         done.append(out)
     return done
-
-
-def main(argv=None) -> int:
-    from momlab import launch
-
-    p = argparse.ArgumentParser(prog="python -m momlab.figures", description="run notebooks under a parameter file")
-    p.add_argument("params", help="figures parameter file (params/*.yaml)")
-    p.add_argument("notebooks", nargs="*")
-    launch.add_flags(p)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    try:
-        run(args.params, args.notebooks, launch=launch.from_args(args))
-    except ValueError as exc:
-        print(f"momlab.figures: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,7 +25,6 @@ pure Python. What it does not do, work stealing, we do with claim files.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -249,26 +248,3 @@ def claimed(directory, prefix: str) -> list[str]:
         return sorted(n for n in os.listdir(directory) if n.startswith(prefix))
     except FileNotFoundError:
         return []
-
-
-# -- command-line flags, shared by python -m momlab sweep and python -m momlab.figures ---------------
-
-def add_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workers (see momlab.launch)")
-    g.add_argument("--workers", type=int, default=None, help="run the configurations on N workers (one GPU each)")
-    g.add_argument("--launcher", default=None, choices=LAUNCHERS, help="local processes (default) or a slurm array")
-    g.add_argument("--threads-per-worker", dest="threads", type=int, default=None,
-                   help="torch threads per worker (default: cores // workers)")
-    g.add_argument("--partition", default=None, help="slurm partition")
-    g.add_argument("--time-min", type=int, default=None, help="slurm time limit per job, minutes")
-    g.add_argument("--gpus-per-job", type=int, default=None, help="slurm: GPUs (workers) per array job")
-    g.add_argument("--array-parallelism", type=int, default=None, help="slurm: array jobs running at once")
-
-
-def from_args(args) -> Launch | None:
-    """The Launch the flags ask for, or None (no --workers and no --launcher: run in this process)."""
-    given = {k: getattr(args, k) for k in ("workers", "launcher", "threads", "partition", "time_min",
-                                            "gpus_per_job", "array_parallelism") if getattr(args, k) is not None}
-    if not given:
-        return None
-    return Launch.of(given)

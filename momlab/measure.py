@@ -29,31 +29,16 @@ from typing import Callable
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from momlab import catalog
 from momlab.accounting import StorageTracker, unique_storage_bytes
-from momlab.device import CudaMemory, check_device, empty_cache, host_limit, is_oom, oom_where, synchronize
-from momlab.errors import OutOfMemory, check_choice
+from momlab.device import CudaMemory, empty_cache, host_limit, is_oom, oom_where, synchronize
+from momlab.config import Config
+from momlab.distributed import measure_ranks
+from momlab.errors import OutOfMemory
 from momlab.moms import auto
 from momlab.provenance import environment
 from momlab.record import Measurement
-from momlab.units import parse_bytes
-from momlab.usermodel import name_of, resolve
-from momlab.workload import PRECISIONS, Workload, build, check_batch_size, parse_mom
-
-
-def _check(model, mom, batch_size, device, budget, precision, steps, warmup, size):
-    size = catalog.resolve_size(model, size)
-    mom = parse_mom(mom)
-    check_batch_size(batch_size)
-    check_choice("precision", precision, PRECISIONS)
-    dev = check_device(device)
-    if dev.type == "meta":
-        raise ValueError("measure runs on a real device (cpu or cuda); use momlab.estimate for predictions")
-    budget = None if budget is None else parse_bytes(budget)
-    for name, value, low in (("steps", steps, 1), ("warmup", warmup, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return size, mom, dev, budget
+from momlab.usermodel import name_of
+from momlab.workload import Workload, build
 
 
 class _Probe:
@@ -73,25 +58,36 @@ class _Probe:
 
 
 def measure(model: str, mom: str = "exact", *, batch_size: int, device: str = "cpu", budget=None,
-            precision: str = "fp32", steps: int = 3, warmup: int = 1, seed: int = 0, **size) -> Measurement:
+            precision: str = "fp32", steps: int = 3, warmup: int = 1, seed: int = 0, ranks: int = 1,
+            parallel: str = "none", **size) -> Measurement:
     """Measure one training configuration; see the module docstring and `Measurement`.
 
     `model`: a catalog name, a transformers config, or a `momlab.UserModel`
     (`momlab.usermodel`); the record names it by its name.
 
-    >>> m = measure("bert-base", batch_size=2, **catalog.tiny("bert-base"))  # doctest: +SKIP
+    `ranks` > 1 or a `parallel` strategy other than "none" (one of
+    `momlab.distributed.PARALLEL`: ddp, fsdp, zero2, and fsdp/zero2 with
+    "+offload") trains on that many ranks, one process each
+    (`momlab.distributed.measure_distributed`): `batch_size` and `budget` are
+    then per rank, the memory fields the maximum over ranks, and
+    ``options["per_rank"]`` each rank's.
+
+    >>> m = measure("bert-base", batch_size=2, **momlab.tiny("bert-base"))  # doctest: +SKIP
     >>> m.fits, m.peak_bytes > m.params_bytes
     (True, True)
     """
-    model = resolve(model)
-    size, mom, dev, budget = _check(model, mom, batch_size, device, budget, precision, steps, warmup, size)
+    c = Config.of(model, mom, batch_size=batch_size, device=device, budget=budget, precision=precision, steps=steps,
+                  warmup=warmup, seed=seed, ranks=ranks, parallel=parallel, **size)
+    if c.distributed:
+        return measure_ranks(c)
+    dev = c.device
     # base["model"] is the resolved model (build takes it); records name it (_record)
-    base = dict(model=model, mom=mom, batch_size=batch_size, device=dev.type, precision=precision, size=size,
-                budget=budget, env=environment(dev))
+    base = dict(model=c.model, mom=c.mom, batch_size=c.batch_size, device=dev.type, precision=c.precision,
+                size=c.size, budget=c.budget, env=environment(dev))
     gc.collect()
     if dev.type == "cuda":
-        return _measure_cuda(base, dev, budget, steps, warmup, seed)
-    return _measure_emulated(base, dev, budget, steps, warmup, seed)
+        return _measure_cuda(base, dev, c.budget, c.steps, c.warmup, c.seed)
+    return _measure_emulated(base, dev, c.budget, c.steps, c.warmup, c.seed)
 
 
 def _record(base: dict) -> dict:
@@ -248,7 +244,7 @@ def _try(w: Workload, run: Callable):
 
 def _warm_probe(w: Workload, meter, warmup: int) -> tuple[int, _Probe]:
     """Warm up, then the probe step; ckpt-auto first chooses its plan (see `momlab.moms.auto`)."""
-    if w.handle is None or "ckpt-auto" not in w.mom.split("+"):
+    if w.handle is None or not w.mom.has("ckpt-auto"):
         _warm_up(w, warmup)
         return _probe_step(w, meter)
     return _plan_checkpoints(w, meter, warmup)

@@ -237,3 +237,82 @@ def fixed_batch(df: pd.DataFrame, batch_size: int, baseline: str = BASELINE) -> 
     out = keys + ["batch_size", "fits", "peak_bytes", "baseline_peak_bytes", "saved_bytes", "memory_saving",
                   "step_time_s", "baseline_step_time_s", "overhead", "throughput_ratio"]
     return _baseline_first(t[out], keys, baseline)
+
+
+# -- over rank counts (notebook 07; records of momlab.sweep.scan_ranks) --------------------------
+
+def rank_scaling(df, baseline: str = "exact"):
+    """Per model, parallel strategy, rank count and MOM: the maximum throughput over the batches that fit, the
+    batch where it is reached, and its ratio to `baseline`'s at the same strategy and rank count.
+
+    Columns: model, parallel, panel ("model, parallel"), gpus (the rank
+    count), mom, max_batch_size, best_batch_size, max_throughput, ratio: what
+    `momlab.plots.gpu_count` draws (a panel per strategy with
+    ``model=panel``). Rows at one rank (parallel ``none``) are repeated under
+    every strategy, as its 1-GPU point.
+    """
+    df = df[df["fits"].astype(bool)]
+    strategies = sorted({p for p in df["parallel"] if p != "none"}) or ["none"]
+    rows = []
+    for (model, par, ranks, mom), g in df.groupby(["model", "parallel", "ranks", "mom"]):
+        best = g.loc[g["throughput"].idxmax()]
+        for p in (strategies if par == "none" else [par]):
+            rows.append(dict(model=model, parallel=p, panel=f"{model}, {p}", gpus=int(ranks), mom=mom,
+                             max_batch_size=int(g["batch_size"].max()), best_batch_size=int(best["batch_size"]),
+                             max_throughput=float(best["throughput"])))
+    out = pd.DataFrame(rows, columns=["model", "parallel", "panel", "gpus", "mom", "max_batch_size",
+                                      "best_batch_size", "max_throughput"])
+    base = out[out["mom"] == baseline].set_index(["model", "parallel", "gpus"])["max_throughput"]
+    out["ratio"] = [t / base.get((m, p, g), math.nan)
+                    for m, p, g, t in zip(out["model"], out["parallel"], out["gpus"], out["max_throughput"])]
+    return out.sort_values(["model", "parallel", "mom", "gpus"]).reset_index(drop=True)
+
+
+def rank_memory(df, batch_size: int | None = None):
+    """Per-rank memory against rank count: one row per (model, parallel, ranks, mom, batch) that fits, with
+    the per-rank fields (maximum over ranks) and ``comm_bytes``."""
+    df = df[df["fits"].astype(bool)].copy()
+    if batch_size is not None:
+        df = df[df["batch_size"] == batch_size]
+    df["comm_bytes"] = [(o or {}).get("comm_bytes", 0) if isinstance(o, dict) else 0 for o in df["options"]]
+    df["model_state_bytes"] = df["params_bytes"] + df["grads_bytes"] + df["optimizer_bytes"]
+    cols = ["model", "parallel", "ranks", "mom", "batch_size", "peak_bytes", "params_bytes", "grads_bytes",
+            "optimizer_bytes", "model_state_bytes", "activation_bytes", "comm_bytes", "workspace_bytes", "host_bytes"]
+    return df[cols].sort_values(["model", "parallel", "mom", "batch_size", "ranks"]).reset_index(drop=True)
+
+
+# -- the S1 verdict, in words: the one text every caller shows (estimate.verdict, whatif, notebooks) ----
+
+def s1_verdict(s1: pd.DataFrame, *, where: str, baseline: str = BASELINE) -> dict:
+    """Which MOM wins S1 in an `s1_summary` table of one configuration, and the sentence saying so.
+
+    Returns ``best`` (the MOM with the highest max_throughput; None when
+    nothing fits), ``throughput``, ``batch_size`` (where it is reached),
+    ``max_batch``, ``ratio_vs_exact`` (its ratio to the baseline's; inf when
+    the baseline fits nowhere, NaN without a baseline) and ``text``, e.g.
+    "S1 on A100-40: quant4 is fastest, 812 samples/s at batch 96 (max batch
+    128), 1.07x exact." `where` names the device in the text.
+    """
+    if s1["model"].nunique() > 1 or len(s1) and s1[_config(s1)[1:]].astype(str).drop_duplicates().shape[0] > 1:
+        raise ValueError("s1_verdict takes the s1_summary of one configuration; group the table first")
+    model = s1["model"].iloc[0] if len(s1) else "the model"
+    ok = s1[s1["max_throughput"].notna() & (s1["max_batch_size"] > 0)]
+    if ok.empty:
+        return {"best": None, "throughput": math.nan, "batch_size": 0, "max_batch": 0, "ratio_vs_exact": math.nan,
+                "text": f"S1: nothing fits {model} on {where}, not even at batch 1."}
+    win = ok.loc[ok["max_throughput"].idxmax()]
+    base = ok[ok["mom"] == baseline]
+    measured_base = (s1["mom"] == baseline).any()
+    ratio = (float(win["max_throughput"] / base["max_throughput"].iloc[0]) if len(base)
+             else math.inf if measured_base else math.nan)
+    text = (f"S1 on {where}: {win['mom']} is fastest, {win['max_throughput']:,.4g} samples/s at batch "
+            f"{int(win['best_batch_size'])} (max batch {int(win['max_batch_size'])})")
+    if win["mom"] != baseline and measured_base:
+        text += f", {ratio:.2f}x {baseline}" if len(base) else f", {baseline} does not fit at all"
+    elif win["mom"] == baseline and len(ok) > 1:
+        runner = ok[ok["mom"] != baseline].sort_values("max_throughput").iloc[-1]
+        text += (f"; no MOM beats {baseline} (best: {runner['mom']}, "
+                 f"{runner['max_throughput'] / win['max_throughput']:.2f}x)")
+    return {"best": str(win["mom"]), "throughput": float(win["max_throughput"]),
+            "batch_size": int(win["best_batch_size"]), "max_batch": int(win["max_batch_size"]),
+            "ratio_vs_exact": ratio, "text": text + "."}

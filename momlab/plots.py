@@ -796,3 +796,36 @@ def predicted_throughput(df: pd.DataFrame, *, title: str | None = None) -> Figur
         " - predicted (momlab.estimate), at each MOM's best batch"
     _title(fig, title if title is not None else "Which MOM lets it train, and how fast", context)
     return fig
+
+
+def rank_memory(table, *, title: str | None = "Per-rank memory against rank count"):
+    """Per-rank peak and model state (weights + gradients + optimizer) against rank count, a line per parallel
+    strategy and MOM. Takes `momlab.metrics.rank_memory`'s table (one batch size)."""
+    fig = Figure(figsize=(9, 3.4), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    styles = {"none": ("#222222", "o"), "ddp": ("#0173b2", "s"), "fsdp": ("#de8f05", "^"),
+              "zero2": ("#029e73", "v")}
+    dashes = ["-", "--", ":", "-."]
+    moms = sorted(dict.fromkeys(table["mom"]), key=lambda m: m != "exact")  # exact solid, first
+    strategies = [p for p in dict.fromkeys(table["parallel"]) if p != "none"]
+    for ax, column, label in zip(axes, ["peak_bytes", "model_state_bytes"], ["peak", "weights + grads + optimizer"]):
+        for p in strategies:
+            color, marker = styles.get(p.split("+")[0], ("#949494", "D"))
+            for i, mom in enumerate(moms):
+                t = table[((table["parallel"] == p) | (table["parallel"] == "none")) & (table["mom"] == mom)]
+                t = t.sort_values("ranks")
+                ax.plot(t["ranks"], t[column] / 2**20, color=color, marker=marker, linestyle=dashes[i % 4],
+                        label=f"{p}, {mom}")
+        ax.set_xscale("log", base=2)
+        counts = sorted(set(table["ranks"]))
+        ax.set_xticks(counts, [str(c) for c in counts])
+        ax.minorticks_off()
+        ax.set_xlabel("ranks")
+        ax.set_title(f"per-rank {label}", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("MiB per rank")
+    axes[1].legend(fontsize=8, frameon=False, loc="upper right")
+    if title:
+        peak = format_bytes(table["peak_bytes"].max()) if len(table) else "-"
+        fig.suptitle(f"{title} (largest peak {peak}; 1 rank = plain training)", fontsize=11)
+    return fig

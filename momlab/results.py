@@ -39,6 +39,7 @@ import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
+from momlab.moms import parse_mom
 from momlab.units import parse_bytes
 
 # What changes a measurement, and so separates otherwise equal configurations.
@@ -66,14 +67,14 @@ def fingerprint(env: dict) -> dict:
 
 
 def canonical_params(params: dict) -> dict:
-    """A configuration in one spelling: budget in bytes, MOM parts sorted, size sorted."""
+    """A configuration in one spelling: budget in bytes, the MOM canonical (`momlab.moms.Mom`), size sorted."""
     missing = [k for k in PARAM_KEYS if k not in params]
     if missing:
         raise ValueError(f"configuration lacks {', '.join(missing)}; a configuration has {', '.join(PARAM_KEYS)}")
     p = {k: params[k] for k in PARAM_KEYS}
     if not isinstance(p["model"], str):  # a transformers config or a user's module: its name
         p["model"] = p["model"].name
-    p["mom"] = "+".join(sorted(str(p["mom"]).split("+")))  # quant4+ckpt == ckpt+quant4 (API.md)
+    p["mom"] = str(parse_mom(p["mom"]))  # quant4+ckpt == ckpt+quant4 (API.md)
     p["budget"] = None if p["budget"] is None else parse_bytes(p["budget"])
     p["size"] = {k: p["size"][k] for k in sorted(p["size"] or {})}
     return p
@@ -88,8 +89,11 @@ def config_key(params: dict, env: dict) -> str:
     ...                                                 {"torch": "2.13", "host": "elsewhere"})
     True
     """
-    blob = json.dumps({"params": canonical_params(params), "fingerprint": fingerprint(env)}, sort_keys=True,
-                      separators=(",", ":"))
+    p = canonical_params(params)
+    # the key hashes the MOM's parts sorted by name, as stores written before the canonical order did:
+    # a store's points keep their keys (the spelling is the same thing either way)
+    p["mom"] = "+".join(sorted(p["mom"].split("+")))
+    blob = json.dumps({"params": p, "fingerprint": fingerprint(env)}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

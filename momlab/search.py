@@ -39,13 +39,11 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from momlab import catalog
+from momlab.catalog import SIZE_KEYWORDS
+from momlab.moms import parse_mom
 from momlab.record import Measurement
-
-SIZE_KEYWORDS = ("num_layers", "hidden_size", "num_heads", "seq_len", "image_size", "width_per_group", "vocab_size")
-
-# Grid steps used when the catalog cannot say (it normally can: catalog.size_step).
-_FALLBACK_STEP = {"num_layers": 1, "num_heads": 1, "seq_len": 8, "hidden_size": 64, "image_size": 32,
-                  "width_per_group": 8, "vocab_size": 64}
+from momlab.usermodel import resolve
 
 
 @dataclass(frozen=True)
@@ -195,20 +193,13 @@ def size_step(model: str, dim: str, **size) -> int:
     """Natural grid step of a size keyword: the catalog's, adjusted to an explicit head count.
 
     hidden_size must stay a multiple of the head count, so when `num_heads`
-    is given the step is that count. Without a catalog entry, a fixed table
-    (`_FALLBACK_STEP`) answers.
+    is given the step is that count.
     """
     if dim not in SIZE_KEYWORDS:
         raise ValueError(f"unknown size keyword {dim!r}; valid: {', '.join(SIZE_KEYWORDS)}")
     if dim == "hidden_size" and size.get("num_heads"):
         return int(size["num_heads"])
-    try:
-        from momlab import catalog
-        from momlab.usermodel import resolve
-    except ImportError:
-        return _FALLBACK_STEP[dim]
-    fn = getattr(catalog, "size_step", None)
-    return fn(resolve(model), dim) if fn is not None else _FALLBACK_STEP[dim]
+    return catalog.size_step(resolve(model), dim)
 
 
 # -- running trials -------------------------------------------------------------
@@ -287,9 +278,12 @@ def _resolve(model, measure_fn):
     with a `measure_fn` of its own, names are that function's business)."""
     if isinstance(model, str) and measure_fn is not None:
         return model
-    from momlab.usermodel import resolve
-
     return resolve(model)
+
+
+def _ranks(ranks: int, parallel: str) -> dict:
+    """The rank settings a trial passes on: none for plain training (so any `measure_fn` takes them)."""
+    return {} if ranks == 1 and parallel == "none" else dict(ranks=ranks, parallel=parallel)
 
 
 def _check_budget(budget, device) -> None:
@@ -301,7 +295,7 @@ def _check_budget(budget, device) -> None:
 def max_batch_size(model: str, mom: str = "exact", *, budget, device: str = "cpu", precision: str = "fp32",
                    step: int = 1, start: int | None = None, limit: int | None = None, steps: int = 1,
                    warmup: int = 1, seed: int = 0, fresh_process: bool = False, measure_fn=None,
-                   **size) -> Search:
+                   ranks: int = 1, parallel: str = "none", **size) -> Search:
     """Largest batch size (a multiple of `step`) whose training step fits `budget` on `device`.
 
     `model`: a catalog name, a transformers config or a `momlab.UserModel`
@@ -310,17 +304,19 @@ def max_batch_size(model: str, mom: str = "exact", *, budget, device: str = "cpu
     `budget` is passed to every trial's `measure` (bytes or "2GiB"; on cuda
     None means the whole device). `size` keywords fix the model size.
     `measure_fn` replaces `momlab.measure.measure` (tests, caching).
+    `ranks` and `parallel` run every trial on that many ranks (`measure`'s);
+    the batch is then per rank and `budget` per rank.
 
     >>> s = max_batch_size("bert-base", "ckpt", budget="64MiB", **tiny("bert-base"))  # doctest: +SKIP
     >>> s.best.fits, s.failure.fits, s.first_failure == s.value + 1  # doctest: +SKIP
     (True, False, True)
     """
     _check_budget(budget, device)
-    model = _resolve(model, measure_fn)
+    model, mom = _resolve(model, measure_fn), parse_mom(mom)  # parsed once: every trial takes them as they are
     if "batch_size" in size:
         raise ValueError("max_batch_size searches batch_size; do not pass it")
     fixed = dict(model=model, mom=mom, device=device, budget=budget, precision=precision, steps=steps,
-                 warmup=warmup, seed=seed, **size)
+                 warmup=warmup, seed=seed, **_ranks(ranks, parallel), **size)
     s = find_max(_trial_function(measure_fn, fresh_process, fixed, "batch_size"), step=step, start=start,
                  limit=limit, dim="batch_size")
     s.config = fixed
@@ -330,11 +326,13 @@ def max_batch_size(model: str, mom: str = "exact", *, budget, device: str = "cpu
 def max_model_size(model: str, mom: str = "exact", *, dim: str, batch_size: int, budget, device: str = "cpu",
                    precision: str = "fp32", step: int | None = None, start: int | None = None,
                    limit: int | None = None, steps: int = 1, warmup: int = 1, seed: int = 0,
-                   fresh_process: bool = False, measure_fn=None, **size) -> Search:
+                   fresh_process: bool = False, measure_fn=None, ranks: int = 1, parallel: str = "none",
+                   **size) -> Search:
     """Largest value of size keyword `dim` (on its natural grid) that fits at `batch_size`.
 
     The grid step defaults to `size_step(model, dim, **size)` (e.g. the head
     count for hidden_size); other size keywords stay as given or default.
+    `ranks` and `parallel` as in `max_batch_size`.
 
     >>> s = max_model_size("bert-base", dim="num_layers", batch_size=24, budget="16GiB")  # doctest: +SKIP
     """
@@ -343,10 +341,10 @@ def max_model_size(model: str, mom: str = "exact", *, dim: str, batch_size: int,
     if dim in size:
         raise ValueError(f"max_model_size searches {dim}; do not also pass {dim}={size[dim]!r}")
     _check_budget(budget, device)
-    model = _resolve(model, measure_fn)
+    model, mom = _resolve(model, measure_fn), parse_mom(mom)  # parsed once: every trial takes them as they are
     step = size_step(model, dim, **size) if step is None else step
     fixed = dict(model=model, mom=mom, batch_size=batch_size, device=device, budget=budget, precision=precision,
-                 steps=steps, warmup=warmup, seed=seed, **size)
+                 steps=steps, warmup=warmup, seed=seed, **_ranks(ranks, parallel), **size)
     s = find_max(_trial_function(measure_fn, fresh_process, fixed, dim), step=step, start=start, limit=limit,
                  dim=dim)
     s.config = fixed

@@ -40,19 +40,20 @@ recorded.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
 import json
+import hashlib
 import math
-import sys
 from pathlib import Path
 
+from momlab import catalog, distributed
 from momlab.record import Measurement
 from momlab.results import PARAM_KEYS, Store, compact, config_key, environment, make_record, shards_dir, to_frame
 from momlab.search import (SIZE_KEYWORDS, Search, max_batch_size, max_model_size, measure_in_fresh_process,
                            resolve_measure)
-from momlab.units import format_bytes, parse_bytes
+from momlab.units import parse_bytes
+from momlab.workload import parse_mom
 
 # The keys of a parameter file, each a keyword of `sweep`, with what it means.
 FILE_KEYS = {
@@ -516,13 +517,37 @@ def _sweep_here(units: list[dict], store: Path, run: dict, device: str, measure_
 
 
 def read_params(path) -> dict:
-    """A sweep parameter file (YAML), validated: unknown keys raise ValueError naming the valid ones."""
+    """A sweep parameter file (YAML), validated: unknown keys raise ValueError naming the valid ones.
+
+    A file that is not YAML, or whose top level is not a mapping, raises
+    ValueError naming the file and where (one line: the command line prints
+    it as its error, not a parser's traceback).
+    """
     import yaml
 
-    with open(path) as f:
-        params = yaml.safe_load(f)
+    def where(exc) -> str:  # one line: "line L, column C: problem (context started at line L')", 1-based
+        mark = getattr(exc, "problem_mark", None)
+        if mark is None:  # a ReaderError (bytes that are not text) has a position, not a mark
+            at = f"character {exc.position + 1}: " if getattr(exc, "position", None) is not None else ""
+            return at + " ".join(str(exc).split())
+        problem = " ".join((getattr(exc, "problem", None) or str(exc)).split())
+        context, context_mark = getattr(exc, "context", None), getattr(exc, "context_mark", None)
+        if context:
+            started = f" started at line {context_mark.line + 1}" if context_mark is not None else ""
+            problem += f" ({context}{started})"
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+
+    try:
+        with open(path) as f:
+            params = yaml.safe_load(f)
+    except OSError as exc:
+        raise ValueError(f"params file {path}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ValueError(f"params file {path}: {where(exc)}") from None
     if not isinstance(params, dict):
-        raise ValueError(f"{path}: a sweep parameter file is a mapping of keys: {', '.join(FILE_KEYS)}")
+        kind = "empty" if params is None else f"a {type(params).__name__}"
+        raise ValueError(f"params file {path}: line 1, column 1: the top level is {kind}, not a mapping of keys "
+                         f"({', '.join(FILE_KEYS)})")
     unknown = [k for k in params if k not in FILE_KEYS]
     if unknown:
         raise ValueError(f"{path}: unknown key(s) {', '.join(map(repr, unknown))}; valid keys: {', '.join(FILE_KEYS)}")
@@ -543,98 +568,64 @@ def sweep_from_file(path, **overrides):
     return sweep(params_file=str(path), **params)
 
 
-# -- command line (wired into python -m momlab by momlab.cli) -------------------
+# -- scans over rank counts: the data of notebook 07 ---------------------------------------------
 
-def _size_flags(p: argparse.ArgumentParser) -> None:
-    for name in SIZE_KEYWORDS:
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None)
-    p.add_argument("--tiny", action="store_true", help="start from the model's tiny preset (tests, smoke runs)")
-
-
-def _size_from(args) -> dict:
-    size = {}
-    if args.tiny:
-        from momlab import catalog
-
-        size = catalog.tiny(args.model)
-    size.update({k: getattr(args, k) for k in SIZE_KEYWORDS if getattr(args, k) is not None})
-    return size
+def record_key(params: dict, env: dict, ranks: int, parallel: str) -> str:
+    """The store key of a distributed point: momlab.results' key of the configuration, plus ranks and parallel."""
+    blob = json.dumps([config_key(params, env), ranks, parallel])
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
-def cli_search(args) -> int:
-    """python -m momlab search MODEL --mom M --budget 2GiB [--dim num_layers --batch-size 8]"""
-    size = _size_from(args)
-    common = dict(budget=args.budget, device=args.device, precision=args.precision, step=args.step,
-                  start=args.start, limit=args.limit, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                  fresh_process=args.fresh_process)
-    if args.dim is None:
-        if args.batch_size is not None:
-            raise ValueError("--batch-size fixes the batch of a model-size search; give --dim too")
-        s = max_batch_size(args.model, args.mom, **{**common, "step": args.step or 1}, **size)
-    else:
-        if args.batch_size is None:
-            raise ValueError(f"a search over --dim {args.dim} needs --batch-size")
-        size.pop(args.dim, None)
-        s = max_model_size(args.model, args.mom, dim=args.dim, batch_size=args.batch_size, **common, **size)
-    if args.json:
-        print(json.dumps(s.to_dict(), allow_nan=True))
-        return 0
-    for v, m in zip(s.tried, s.trials):
-        t = "" if math.isnan(m.throughput) else f"{m.throughput:10.2f}/s"
-        print(f"{s.dim}={v:<8d} {'fits' if m.fits else 'OOM ':4s}  peak {format_bytes(m.peak_bytes):>12s}  {t}")
-    tail = ("(every value up to the limit fits)" if s.capped
-            else f"({s.first_failure} does not fit)")
-    print(f"max {s.dim}: {s.value} {tail}, {len(s.trials)} trials, budget {args.budget}")
-    return 0
+def ranks_store_path(store) -> Path:
+    """Where `scan_ranks` keeps its records: beside `store`, ``<stem>.ranks.jsonl``, so single-device
+    analyses of `store` never mix in multi-rank records."""
+    p = Path(store)
+    return p.with_name((p.name[:-6] if p.name.endswith(".jsonl") else p.name) + ".ranks.jsonl")
 
 
-def cli_sweep(args) -> int:
-    """python -m momlab sweep params/FILE.yaml [--store PATH] [--no-progress] [--workers N [--launcher slurm ...]]"""
-    from momlab.launch import from_args
+def scan_ranks(model: str, moms=("exact",), *, ranks=(1, 2), parallel=("ddp", "fsdp"), batch_sizes=(2, 4),
+               store, size=None, device: str = "cpu", budget=None, precision: str = "fp32", steps: int = 3,
+               warmup: int = 1, seed: int = 0, timeout_s: float = distributed.DEFAULT_TIMEOUT_S):
+    """Measure moms x parallel x ranks x batch sizes into ``ranks_store_path(store)``; return its frame.
 
-    overrides = {"progress": not args.no_progress}
-    if args.store is not None:
-        overrides["store"] = args.store
-    launch = from_args(args)
-    if launch is not None:
-        overrides["launch"] = launch
-    try:
-        df = sweep_from_file(args.params, **overrides)
-    except SweepIncomplete as exc:
-        print(f"python -m momlab sweep: {exc}", file=sys.stderr)
-        return 1
-    fits = int(df["fits"].sum()) if len(df) else 0
-    print(f"{len(df)} points ({fits} fit, {len(df) - fits} out of memory) in {df.attrs['store']}; "
-          f"{df.attrs['measured']} measured now, {df.attrs['skipped']} already recorded")
-    return 0
+    `size`: size keywords, or "tiny" for the model's tiny preset. Resumable
+    like momlab.sweep: a point already recorded (same configuration, ranks,
+    parallel and environment) is not measured again. ``ranks=1`` is
+    measured as parallel ``none`` (plain training, the 1-GPU point of every
+    strategy). Records carry ``ranks`` and ``parallel`` columns. A run whose
+    rank failed is recorded with ``fits=False`` and the error.
 
-
-def add_subparsers(subparsers) -> None:
-    """Add the ``search`` and ``sweep`` subcommands to python -m momlab's parser."""
-    p = subparsers.add_parser("search", help="largest batch (or model size with --dim) that fits a budget")
-    p.add_argument("model")
-    p.add_argument("--mom", default="exact")
-    p.add_argument("--budget", default=None, help="e.g. 2GiB, 512MiB, 16GB or bytes (cpu: required)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--precision", default="fp32")
-    p.add_argument("--dim", default=None, choices=SIZE_KEYWORDS, help="search this size keyword instead of batch")
-    p.add_argument("--batch-size", type=int, default=None, help="fixed batch of a --dim search")
-    p.add_argument("--step", type=int, default=None, help="grid step (batch: 1; sizes: the model's natural step)")
-    p.add_argument("--start", type=int, default=None, help="first value tried (default: one grid step)")
-    p.add_argument("--limit", type=int, default=None, help="largest value tried")
-    p.add_argument("--steps", type=int, default=1, help="timed steps per trial (only the fit matters)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fresh-process", action="store_true", help="run each trial in a new process")
-    p.add_argument("--json", action="store_true", help="print the Search as JSON")
-    _size_flags(p)
-    p.set_defaults(func=cli_search)
-
-    q = subparsers.add_parser("sweep", help="run a sweep parameter file into its results store")
-    q.add_argument("params", help="YAML parameter file (keys: " + ", ".join(FILE_KEYS) + ")")
-    q.add_argument("--store", default=None, help="results store path (overrides the file)")
-    q.add_argument("--no-progress", action="store_true")
-    from momlab.launch import add_flags  # no submitit import: that waits for a launch
-
-    add_flags(q)
-    q.set_defaults(func=cli_sweep)
+    >>> df = scan_ranks("bert-base", ["exact", "ckpt"], size="tiny",
+    ...                 store="results/smoke.jsonl")  # doctest: +SKIP
+    """
+    size = catalog.tiny(model) if size == "tiny" else dict(size or {})
+    env = environment(device)
+    s = Store(ranks_store_path(store))
+    keys = []
+    plan = [("none" if r == 1 else p, r) for p in ([parallel] if isinstance(parallel, str) else parallel)
+            for r in ranks]
+    for p, r in dict.fromkeys(plan):
+        for mom in ([moms] if isinstance(moms, str) else moms):
+            for b in batch_sizes:
+                params = dict(model=model, mom=mom, batch_size=b, device=device, precision=precision,
+                              size=catalog.resolve_size(model, size), budget=budget, steps=steps, warmup=warmup,
+                              seed=seed)
+                key = record_key(params, env, r, p)
+                keys.append(key)
+                if s.get(key) is not None:
+                    continue
+                try:
+                    m = distributed.measure_distributed(model, mom, ranks=r, parallel=p, batch_size=b, device=device,
+                                            budget=budget, precision=precision, steps=steps, warmup=warmup,
+                                            seed=seed, timeout_s=timeout_s, **size)
+                except distributed.RankFailed as exc:
+                    m = Measurement(model=model, mom=parse_mom(mom), batch_size=b, device=device,
+                                    precision=precision, size=params["size"], fits=False, peak_bytes=0,
+                                    params_bytes=0, grads_bytes=0, optimizer_bytes=0, activation_bytes=0,
+                                    workspace_bytes=0, host_bytes=0, step_time_s=math.nan, throughput=math.nan,
+                                    flops=0, error=str(exc).splitlines()[0], options={"ranks": r, "parallel": p})
+                rec = make_record(m, params, env, ranks=r, parallel=p)
+                rec["key"] = key
+                s.append(rec)
+    by_key = {rec.get("key"): rec for rec in s.records()}
+    return to_frame([by_key[k] for k in dict.fromkeys(keys) if k in by_key])

@@ -26,10 +26,11 @@ from matplotlib.figure import Figure  # not pyplot: no global backend, nothing s
 from matplotlib.ticker import FuncFormatter
 
 from momlab import catalog
-from momlab.estimate import (_result_files, batch_grid, calibrate, estimate, predict_max_batch,
-                             throughput_curve)
+from momlab import metrics
+from momlab.estimate import calibrate, estimate, predict_max_batch, records, s1_grid, throughput_curve
 from momlab.gpus import get as get_gpu
 from momlab.gpus import gpus
+from momlab.timemodel import _result_files
 from momlab.plots import OOM_MARKER, mom_style
 from momlab.plots import save as plots_save
 from momlab.units import format_bytes
@@ -115,37 +116,20 @@ def compute(state: State) -> View:
             skipped[mom] = str(exc).splitlines()[0]
             continue
         maxb[mom] = mb
-        # the grid `best_throughput` (and so `verdict`) scans, plus the first batch that does not fit
-        grid = sorted(set(batch_grid(mb)) | {mb + 1, state.batch_size})
+        grid = sorted(set(s1_grid(mb)) | {state.batch_size})  # the grid `verdict` scans, and this batch
         curves[mom] = throughput_curve(state.model, mom, gpu=state.gpu, batch_sizes=grid,
                                            precision=state.precision, results=state.results, **state.size)
         at[mom] = estimate(state.model, mom, batch_size=state.batch_size, gpu=state.gpu,
                                precision=state.precision, results=state.results, **state.size)
     cal = calibrate(state.gpu, results=state.results)
-    return View(state, at, curves, maxb, _verdict(state, curves, maxb), skipped, g.memory_bytes, cal.calibrated,
+    return View(state, at, curves, maxb, _verdict(state, curves), skipped, g.memory_bytes, cal.calibrated,
                 cal.describe())
 
 
-def _best(curve):
-    fitting = [e for e in curve if e.fits]
-    return max(fitting, key=lambda e: e.throughput) if fitting else None
-
-
-def _verdict(state: State, curves: dict, maxb: dict) -> str:
-    best = {m: _best(c) for m, c in curves.items()}
-    fitting = {m: b for m, b in best.items() if b is not None}
-    if not fitting:
-        return f"S1: nothing fits {state.model} on {state.gpu}, not even at batch 1."
-    win, e = max(fitting.items(), key=lambda kv: kv[1].throughput)
-    text = (f"S1 on {state.gpu}: {win} is fastest, {e.throughput:,.4g} samples/s at batch {e.batch_size} "
-            f"(max batch {maxb[win]})")
-    base = fitting.get("exact")
-    if win != "exact" and "exact" in curves:
-        text += (f", {e.throughput / base.throughput:.2f}x exact" if base else ", exact does not fit at all")
-    elif win == "exact" and len(fitting) > 1:
-        runner = max((kv for kv in fitting.items() if kv[0] != "exact"), key=lambda kv: kv[1].throughput)
-        text += f"; no MOM beats exact (best: {runner[0]}, {runner[1].throughput / e.throughput:.2f}x)"
-    return text + "."
+def _verdict(state: State, curves: dict) -> str:
+    """The S1 sentence of momlab.metrics, over the curves drawn (`s1_grid`: every fit and the first miss)."""
+    table = metrics.s1_summary(records([e for c in curves.values() for e in c]))
+    return metrics.s1_verdict(table, where=state.gpu)["text"]
 
 
 # -- measured points -----------------------------------------------------------------------

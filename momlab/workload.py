@@ -17,7 +17,6 @@ emulated device account the same step a GPU runs (recorded in `options`).
 
 from __future__ import annotations
 
-import sys
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
@@ -30,6 +29,7 @@ from momlab import catalog
 from momlab.device import autocast, check_device
 from momlab.usermodel import resolve
 from momlab.errors import check_choice
+from momlab.moms import apply, parse_mom
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -44,14 +44,6 @@ def check_batch_size(batch_size) -> int:
     return batch_size
 
 
-def parse_mom(mom: str) -> str:
-    """Canonical MOM string; ValueError naming the valid ones."""
-    import momlab.moms
-
-    canonical = getattr(sys.modules["momlab.moms"], "canonical", None)
-    if canonical is None and mom == "exact":  # TEMP until moms lands
-        return mom
-    return canonical(mom)
 
 
 @dataclass
@@ -173,11 +165,8 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     net.train()
     handle = None
     if mom != "exact":
-        from momlab.moms import apply
-
         blocks = catalog.blocks(model, net)
-        if not blocks and not isinstance(model, str) and any(
-                p.startswith("ckpt") for p in mom.split("+")):
+        if not blocks and not isinstance(model, str) and mom.checkpointing:
             raise ValueError(
                 f"{mom} checkpoints repeated blocks and none were found in {model.name} (no nn.ModuleList or "
                 f"nn.Sequential of same-class layers): name them, momlab.UserModel(module, ..., blocks='layers') "

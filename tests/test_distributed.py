@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from momlab import catalog
-from momlab.distributed import (PARALLEL, RankFailed, measure_distributed, parse_parallel, rank_scaling,
-                                record_key)
+from momlab.distributed import PARALLEL, RankFailed, measure_distributed, parse_parallel
+from momlab.metrics import rank_scaling
+from momlab.sweep import record_key
 from momlab.workload import build
 
 MODEL = "vit-base"
@@ -200,3 +201,27 @@ def test_rank_scaling_ratios():
     params = dict(model="m", mom="exact", batch_size=2, device="cpu", precision="fp32", size={}, budget=None,
                   steps=1, warmup=1, seed=0)
     assert record_key(params, {}, 2, "ddp") != record_key(params, {}, 2, "fsdp") != record_key(params, {}, 4, "fsdp")
+
+
+def test_measure_is_the_one_entry_for_ranks():
+    """`momlab.measure` takes ranks= and parallel= like any other setting (issue 12): gpt2 on 2 ranks, the
+    per-rank model state under fsdp is half of ddp's (within the padding and the unsharded buffers)."""
+    import momlab
+
+    size = catalog.tiny("gpt2")
+    ddp, fsdp = (momlab.measure("gpt2", "exact", ranks=2, parallel=p, batch_size=2, steps=1, **size)
+                 for p in ("ddp", "fsdp"))
+    assert ddp.fits and fsdp.fits and ddp.options["ranks"] == fsdp.options["ranks"] == 2
+    assert (ddp.options["parallel"], fsdp.options["parallel"]) == ("ddp", "fsdp")
+    state = [m.params_bytes + m.grads_bytes + m.optimizer_bytes for m in (ddp, fsdp)]
+    assert state[1] == pytest.approx(state[0] / 2, rel=0.01)
+    one = momlab.measure("gpt2", "exact", batch_size=2, steps=1, **size)
+    assert "ranks" not in one.options  # one rank, plain training: measure's own path
+    assert one.params_bytes == ddp.params_bytes
+
+
+def test_searches_take_ranks():
+    import momlab
+
+    s = momlab.max_batch_size(MODEL, budget="64MiB", ranks=2, parallel="ddp", limit=2, **SIZE)
+    assert s.value == 2 and all(m.options["ranks"] == 2 for m in s.trials)

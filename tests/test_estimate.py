@@ -36,10 +36,13 @@ from momlab.estimate import (
 )
 from momlab.gpus import for_device_name, get, gpus
 from momlab.measure import measure
+from momlab.search import max_batch_size
 
 MODELS = catalog.models()
 # ckpt-auto plans by measuring under a budget: estimate refuses it (test_errors_name_the_valid_choices)
 MOMS = [m for m in momlab.moms.moms() if m != "ckpt-auto"]
+# the combinations the paper ran: traced against measured like the atomic MOMs (on bert-base in `make test`)
+MOMS += ["quant4+ckpt", "swap+ckpt", "quant4+swap"]
 MEMORY = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes", "workspace_bytes",
           "host_bytes")
 # the subset `make test` runs: every model exactly, every MOM on a transformer and a ResNet; the rest of
@@ -134,10 +137,9 @@ def test_interpolated_estimate_is_measured_memory(_no_records):
 @pytest.mark.parametrize("mom", ["exact", "ckpt"])
 def test_predicted_max_batch_is_within_one_of_the_search(mom):
     """The closed-form largest batch under a CPU budget against the measured search."""
-    search = pytest.importorskip("momlab.search", reason="momlab/search.py (max_batch_size) not written yet")
     size = catalog.tiny("bert-base")
     budget = 48 * 2 ** 20
-    found = search.max_batch_size("bert-base", mom, budget=budget, **size)
+    found = max_batch_size("bert-base", mom, budget=budget, **size)
     predicted = predict_max_batch("bert-base", mom, gpu="cpu", budget=budget, **size)
     assert found.value > 2
     assert abs(predicted - found.value) <= 1, (predicted, found.value, found.tried)
@@ -288,20 +290,39 @@ def test_time_model_orders_moms_and_gpus(_no_records):
 
 
 def test_calibration_from_records_of_the_device(tmp_path):
-    """A measured record whose device name is an A100 40GB calibrates A100-40, and only it."""
+    """Several measured Exact records of an A100 40GB calibrate A100-40, and only it: fewer than a full
+    fit needs, so one scale of every cost, the geometric mean of measured over predicted; a record that did
+    not fit, a MOM's record and another GPU's records are not A100-40's Exact timings."""
     size = catalog.tiny("bert-base")
-    raw = estimate("bert-base", batch_size=16, gpu="A100-40", results=tmp_path, **size)
-    measured_time = raw.step_time_s * 3.0
-    rec = {"model": "bert-base", "mom": "exact", "batch_size": 16, "precision": "fp32",
-           "size": catalog.resolve_size("bert-base", size), "fits": True, "step_time_s": measured_time,
-           "throughput": 16 / measured_time, "flops": raw.flops,
-           "env": {"device": "cuda", "device_name": "NVIDIA A100-SXM4-40GB"}}
-    (tmp_path / "a100.jsonl").write_text(json.dumps(rec) + "\n")
+    full = catalog.resolve_size("bert-base", size)
+    raw = {b: estimate("bert-base", batch_size=b, gpu="A100-40", results=tmp_path, **size) for b in (8, 16, 32)}
+    slower = {8: 2.5, 16: 3.0, 32: 3.6}  # geometric mean exactly 3 (2.5 * 3.0 * 3.6 = 27)
+
+    def rec(batch, seconds, device_name, mom="exact", fits=True):
+        return {"model": "bert-base", "mom": mom, "batch_size": batch, "precision": "fp32", "size": full,
+                "fits": fits, "step_time_s": seconds, "throughput": batch / seconds, "flops": raw[batch].flops,
+                "env": {"device": "cuda", "device_name": device_name}}
+
+    a100 = [rec(b, raw[b].step_time_s * k, "NVIDIA A100-SXM4-40GB") for b, k in slower.items()]
+    a100 += [rec(16, 0.5, "NVIDIA A100-SXM4-40GB", mom="ckpt"),
+             rec(16, float("nan"), "NVIDIA A100-SXM4-40GB", fits=False)]
+    (tmp_path / "a100.jsonl").write_text("".join(json.dumps(r) + "\n" for r in a100))
+    (tmp_path / "a100-80.jsonl").write_text(json.dumps(rec(8, raw[8].step_time_s * 10, "NVIDIA A100 80GB PCIe"))
+                                            + "\n")
     cal = calibrate("A100-40", results=tmp_path)
-    assert cal.calibrated and cal.records == 1 and "a100.jsonl" in cal.source
-    e = estimate("bert-base", batch_size=16, gpu="A100-40", results=tmp_path, **size)
-    assert e.calibrated and e.step_time_s == pytest.approx(measured_time, rel=1e-6)
-    assert not calibrate("A100-80", results=tmp_path).calibrated
+    assert cal.calibrated and cal.records == 3 and cal.fitted == ("scale",) and cal.source.endswith("a100.jsonl")
+    assert sorted(cal.fitted_on) == sorted(f"bert-base[{','.join(f'{k}={v}' for k, v in sorted(full.items()))}] "
+                                           f"fp32 batch {b}" for b in slower)
+    # residuals (predicted - measured) / measured: 3/2.5 - 1, 0, 3/3.6 - 1; the error is their median magnitude
+    assert sorted(cal.residuals) == pytest.approx(sorted([3 / 2.5 - 1, 0.0, 3 / 3.6 - 1]), abs=1e-6)
+    assert cal.error == pytest.approx(1 - 3 / 3.6, rel=1e-6)
+    for b in slower:
+        e = estimate("bert-base", batch_size=b, gpu="A100-40", results=tmp_path, **size)
+        assert e.calibrated and e.step_time_s == pytest.approx(3.0 * raw[b].step_time_s, rel=1e-6), b
+        assert e.calibration_records == cal.fitted_on
+    other = calibrate("A100-80", results=tmp_path)
+    assert other.calibrated and other.records == 1 and other.source.endswith("a100-80.jsonl")
+    assert not calibrate("H100-80", results=tmp_path).calibrated
 
 
 def test_gpu_catalog():

@@ -174,16 +174,16 @@ def test_largest_expected_cost_first():
 
 def test_command_line_and_figures_take_the_launch(monkeypatch, tmp_path):
     from momlab import figures, launch
-    from momlab.cli import parser
+    from momlab.cli import launch_from, main, parser
 
     args = parser().parse_args(["sweep", "p.yaml", "--workers", "16", "--launcher", "slurm", "--partition", "gpu",
                                 "--time-min", "360", "--gpus-per-job", "4", "--array-parallelism", "2"])
-    assert launch.from_args(args) == Launch(workers=16, launcher="slurm", partition="gpu", time_min=360,
-                                            gpus_per_job=4, array_parallelism=2)
-    assert launch.from_args(parser().parse_args(["sweep", "p.yaml"])) is None  # this process, as before
+    assert launch_from(args) == Launch(workers=16, launcher="slurm", partition="gpu", time_min=360,
+                                       gpus_per_job=4, array_parallelism=2)
+    assert launch_from(parser().parse_args(["sweep", "p.yaml"])) is None  # this process, as before
     seen = []
     monkeypatch.setattr(figures, "run", lambda params, notebooks, launch=None: seen.append(launch))
-    assert figures.main(["--workers", "2", "--threads-per-worker", "1", "p.yaml", "a.ipynb"]) == 0
+    assert main(["figures", "--workers", "2", "--threads-per-worker", "1", "p.yaml", "a.ipynb"]) == 0
     assert seen == [Launch(workers=2, threads=1)]
     # what figures.run hands the notebooks' kernels: sweep() reads it when given no launch of its own
     monkeypatch.setenv(launch.ENV_VAR, json.dumps({"workers": 0}))

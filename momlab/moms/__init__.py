@@ -53,12 +53,59 @@ def moms() -> list[str]:
     return list(_ATOMIC)
 
 
+class Mom(str):
+    """A parsed MOM: its canonical spelling (a ``str``, so records, keys and comparisons are plain
+    strings) with its atomic parts in canonical order, `.parts`.
+
+    Parsing happens once, at the public edge (`parse_mom`); every layer below
+    takes the `Mom` it is handed and does not parse again (`parse` of a
+    `Mom` returns its parts as they are).
+
+    >>> m = Mom.of("ckpt+quant4")
+    >>> m, m.parts, m.has("ckpt")
+    ('quant4+ckpt', ('quant4', 'ckpt'), True)
+    """
+
+    parts: tuple[str, ...]
+
+    def __new__(cls, parts: tuple[str, ...]):
+        self = super().__new__(cls, "+".join(parts))
+        self.parts = tuple(parts)
+        return self
+
+    def __getnewargs__(self):  # pickles (ranks, fresh-process trials) as its parts
+        return (self.parts,)
+
+    @classmethod
+    def of(cls, mom) -> Mom:
+        """`mom` parsed (checked, in canonical order); a `Mom` is returned as it is."""
+        return mom if isinstance(mom, Mom) else cls(_check_parts(mom))
+
+    def has(self, atom: str) -> bool:
+        return atom in self.parts
+
+    @property
+    def checkpointing(self) -> str | None:
+        """The checkpointing MOM of the combination (ckpt, ckpt-selective, ckpt-auto), or None."""
+        return next((p for p in self.parts if p in _CHECKPOINTING), None)
+
+
+def parse_mom(mom) -> Mom:
+    """`mom` (a string such as ``"ckpt+quant4"``) as a `Mom`; ValueError naming the valid ones."""
+    return Mom.of(mom)
+
+
 def parse(mom: str) -> tuple[str, ...]:
     """The atomic MOMs of `mom`, in canonical order; ValueError says what is wrong.
 
     >>> parse("ckpt+quant4")
     ('quant4', 'ckpt')
     """
+    return Mom.of(mom).parts
+
+
+def _check_parts(mom: str) -> tuple[str, ...]:
+    """The one parser: `mom`'s atomic parts in canonical order, or a ValueError saying what is wrong."""
     if not isinstance(mom, str):
         raise ValueError(f"a MOM is a string such as 'quant4+ckpt', got {mom!r}")
     parts = [p.strip().lower() for p in mom.split("+")]
@@ -93,7 +140,7 @@ def canonical(mom: str) -> str:
     >>> canonical("ckpt+swap+quant4")
     'quant4+swap+ckpt'
     """
-    return "+".join(parse(mom))
+    return str(Mom.of(mom))
 
 
 @dataclass(eq=False)
@@ -119,7 +166,7 @@ class MomHandle:
 
     def checkpoint(self, indices) -> None:
         """Checkpoint exactly the blocks at `indices` (ckpt-auto's plan); the others run as they are."""
-        if "ckpt-auto" not in self.mom.split("+"):
+        if not Mom.of(self.mom).has("ckpt-auto"):
             raise ValueError(f"checkpoint(indices) changes ckpt-auto's plan; this model has MOM {self.mom!r}")
         chosen = sorted({int(i) for i in indices})
         if chosen and not 0 <= chosen[0] <= chosen[-1] < len(self.blocks):
@@ -162,7 +209,8 @@ def apply(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
     MOM's saved-tensor hooks; enter ``handle.context()`` around anything
     else that saves tensors for backward (the loss).
     """
-    parts = parse(mom)
+    mom = Mom.of(mom)
+    parts = mom.parts
     if getattr(module, "_momlab_mom", None) is not None:
         raise ValueError(f"the model already has MOM {module._momlab_mom!r} applied; "
                          f"build a fresh model or call handle.remove() first")
@@ -170,14 +218,14 @@ def apply(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
         blocks = find_blocks(module)
         if not blocks and any(p in _CHECKPOINTING for p in parts):
             raise ValueError(
-                f"{canonical(mom)} checkpoints blocks, and no repeated layers were found in "
+                f"{mom} checkpoints blocks, and no repeated layers were found in "
                 f"{type(module).__name__} (an nn.ModuleList / nn.Sequential of same-class layers): "
                 f"pass blocks=[...] explicitly")
     else:
         blocks = list(blocks)
         if not blocks and any(p in _CHECKPOINTING for p in parts):
-            raise ValueError(f"{canonical(mom)} needs at least one block; blocks=[] was passed")
-    handle = compose(module, parts, blocks, seed=seed, prefetch=prefetch, compile=compile)
+            raise ValueError(f"{mom} needs at least one block; blocks=[] was passed")
+    handle = compose(module, mom, blocks, seed=seed, prefetch=prefetch, compile=compile)
     if "ckpt-auto" in parts:
         handle.checkpoint(checkpoint)
     elif checkpoint:
@@ -186,11 +234,12 @@ def apply(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
     return handle
 
 
-def compose(module: nn.Module, parts: tuple[str, ...], blocks: list[nn.Module], *,
+def compose(module: nn.Module, mom: Mom, blocks: list[nn.Module], *,
             seed: int = 0, prefetch: bool = True, compile: bool | None = None) -> MomHandle:
     """The one place that orders MOMs: checkpoint wrapping, then saved-tensor hooks."""
-    parts = parse("+".join(parts))
-    handle = MomHandle("+".join(parts), list(blocks), module)
+    mom = Mom.of(mom)
+    parts = mom.parts
+    handle = MomHandle(mom, list(blocks), module)
     stages = []
     bits = [_QUANT[p] for p in parts if p in _QUANT]
     if bits:
