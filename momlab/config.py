@@ -104,6 +104,10 @@ class Config:
         if dev.type == "meta":
             raise ValueError(f"{what} runs on a real device (cpu or cuda); use momlab.estimate for predictions")
         ranks = check_ranks(ranks, strategy, dev)
+        if mom.has("ckpt-auto") and (strategy != "none" or ranks != 1):
+            raise ValueError(f"{mom!r} on ranks: ckpt-auto searches its plan by steps that may run out of memory, "
+                             f"and a rank out of memory in a collective ends the run; measure ckpt-auto on one "
+                             f"rank (its plan is in options['ckpt_plan']) or use 'ckpt' on ranks")
         return cls(model=model, mom=mom, batch_size=batch_size, device=dev, precision=precision, size=size,
                    budget=None if budget is None else parse_bytes(budget), steps=_count("steps", steps),
                    warmup=_count("warmup", warmup), seed=seed, ranks=ranks, parallel=strategy, offload=offload)

@@ -172,6 +172,7 @@ def test_cli_measure_dispatches_on_ranks(capsys):
     (dict(ranks=2, parallel="tp"), "valid: none, ddp, fsdp, zero2"),
     (dict(ranks=2, device="cuda"), "cuda"),
     (dict(ranks=2, timeout_s=0), "timeout_s"),
+    (dict(ranks=2, mom="ckpt-auto"), "ckpt-auto. on ranks"),  # it used to checkpoint nothing there
 ])
 def test_bad_arguments_are_refused_before_any_rank_starts(kwargs, message):
     if "device" in kwargs and torch.cuda.is_available():
