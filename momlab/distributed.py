@@ -80,14 +80,13 @@ import tempfile
 import time
 import traceback
 import weakref
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from multiprocessing.connection import wait as wait_for
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils.flop_counter import FlopCounterMode
 
 from momlab import catalog
 from momlab.accounting import StorageTracker, host_allocation
@@ -95,6 +94,7 @@ from momlab.device import CudaMemory, empty_cache, is_oom, synchronize
 from momlab.config import PARALLEL, Config, parallel_name, parse_parallel  # noqa: F401  (re-exported)
 from momlab.errors import OutOfMemory
 from momlab.provenance import environment
+from momlab import steps
 from momlab.record import Measurement
 from momlab.usermodel import name_of
 from momlab.workload import Workload, build
@@ -109,8 +109,6 @@ SETTLE_S = 3.0
 # gradients arrived) and allocates new ones then: a DDP measurement warms up
 # at least this many steps, so the probe step sees the final buckets
 DDP_MIN_WARMUP = 2
-# fp16: at most this many warm-up steps more while GradScaler skips the optimizer step
-MAX_SKIPPED_STEPS = 16
 # modules a rank needs, imported once by the fork server
 _PRELOAD = ["momlab.distributed", "transformers.modeling_utils"] + [
     f"transformers.models.{m}" for m in ("bert.modeling_bert", "gpt2.modeling_gpt2", "swin.modeling_swin",
@@ -357,12 +355,12 @@ class _Rank:
             return int(fault["budget"])
         return self.cfg["budget"]
 
-    def step(self, **probe) -> float:
+    def step(self, inputs: dict | None = None, **probe) -> float:
         self.tell("phase", f"step {self.step_index}")
         fault = self.cfg.get("fault") or {}
         if fault.get("rank") == self.rank and fault.get("step") == self.step_index:
             os.kill(os.getpid(), getattr(signal, fault.get("signal", "SIGKILL")))
-        loss = self.w.step(**probe)
+        loss = self.w.step(inputs, **probe)
         self.losses.append(loss)
         self.step_index += 1
         return loss
@@ -437,11 +435,7 @@ class _Rank:
         return out
 
     def _count_flops(self, room=None) -> int:
-        """FLOPs in a step of their own, outside the measured one and the budget (as `measure` counts them)."""
-        with room if room is not None else nullcontext():
-            with FlopCounterMode(display=False) as flops:
-                self.step()
-        return int(flops.get_total_flops())
+        return steps.count_flops(self.step, room)
 
     def _measure_cuda(self, warmup: int) -> dict:
         mem = CudaMemory(self.device, self.budget())
@@ -470,16 +464,9 @@ class _Rank:
                        active_peak_bytes=peaks["active"], reserved_peak_bytes=peaks["reserved"])
         return out
 
-    def _warm_up(self, steps: int, capture) -> None:
-        """`steps` steps, and more while the optimizer has no state yet: fp16's GradScaler skips the
-        optimizer step while its scale overflows, and the probe step must not be the one creating the state."""
+    def _warm_up(self, n: int, capture) -> None:
         hook = capture if self.strategy == "ddp" else None
-        for _ in range(steps):
-            self.step(on_backward_end=hook)
-        for _ in range(MAX_SKIPPED_STEPS):
-            if self.w.optimizer.state:
-                break
-            self.step(on_backward_end=hook)
+        steps.warm_up(lambda: self.step(on_backward_end=hook), self.w.optimizer, n)
         self.warmup_steps = self.step_index
 
     def _offloaded_bytes(self) -> int:
@@ -490,17 +477,10 @@ class _Rank:
         return local_bytes(t for t in local_tensors(state["params"] + state["grads"] + state["optimizer"])
                            if t.device.type == "cpu")
 
-    def _timed_steps(self, steps: int) -> list[float]:
-        times = []
-        for _ in range(steps):
-            if dist.is_initialized():
-                dist.barrier()  # every rank starts the step together: a step is as slow as its slowest rank
-            synchronize(self.device)
-            t0 = time.perf_counter()
-            self.step()
-            synchronize(self.device)
-            times.append(time.perf_counter() - t0)
-        return times
+    def _timed_steps(self, n: int) -> list[float]:
+        # every rank starts the step together: a step is as slow as its slowest rank
+        barrier = dist.barrier if dist.is_initialized() else None
+        return steps.timed_steps(self.step, self.batch, self.device, n, before=barrier)
 
 
 class _RankProbe:

@@ -22,12 +22,10 @@ import dataclasses
 import gc
 import math
 import statistics
-import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from momlab.accounting import StorageTracker, unique_storage_bytes
 from momlab.device import CudaMemory, empty_cache, host_limit, is_oom, oom_where, synchronize
@@ -36,6 +34,7 @@ from momlab.distributed import measure_ranks
 from momlab.errors import OutOfMemory
 from momlab.moms import auto
 from momlab.provenance import environment
+from momlab import steps as steps_
 from momlab.record import Measurement
 from momlab.usermodel import name_of
 from momlab.workload import Workload, build
@@ -120,40 +119,16 @@ def _breakdown(base, w: Workload, peak: int, bytes_of, probe: _Probe, flops: int
 
 
 def count_flops(w: Workload, room=None) -> int:
-    """FLOPs of one step, counted by FlopCounterMode in a step of its own: its
-    module tracking keeps checkpoint-recomputed tensors alive, so it must not
-    run in the step whose memory is measured (checkpointing's peak rose 40%),
-    nor under the budget (`room`: a context that lifts it, e.g. the CUDA
-    cap's `uncapped`): a step that fits would be recorded as not fitting."""
-    with room if room is not None else nullcontext():
-        with FlopCounterMode(display=False) as counter:
-            w.step()
-    return int(counter.get_total_flops())
+    """FLOPs of one step of `w` (`momlab.steps.count_flops`)."""
+    return steps_.count_flops(w.step, room)
 
 
 def _warm_up(w: Workload, warmup: int) -> None:
-    """`warmup` steps, and more while fp16's GradScaler skips the optimizer
-    step (inf/nan gradients at its first scale), so that the probe step
-    starts with optimizer state resident."""
-    for _ in range(warmup):
-        w.step()
-    for _ in range(16):
-        if w.optimizer.state:
-            return
-        w.step()
+    steps_.warm_up(w.step, w.optimizer, warmup)
 
 
 def _timed_steps(w: Workload, steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        inputs = w.batch()
-        synchronize(w.device)
-        t0 = time.perf_counter()
-        w.step(inputs)
-        synchronize(w.device)
-        times.append(time.perf_counter() - t0)
-        del inputs
-    return times
+    return steps_.timed_steps(w.step, w.batch, w.device, steps)
 
 
 class _EmulatedMeter:
