@@ -70,6 +70,7 @@ from momlab.gpus import get as get_gpu
 from momlab.accounting import StorageTracker, unique_storage_bytes
 from momlab import metrics, timemodel
 from momlab.errors import check_choice
+from momlab.record import StepRecord
 from momlab.units import format_bytes, parse_bytes
 from momlab.timemodel import Calibration, step_time
 from momlab.usermodel import name_of, resolve
@@ -655,7 +656,7 @@ def calibrate(gpu: str, *, results=None, max_records: int = 4, quick: bool = Tru
 # -- estimates -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Estimate:
+class Estimate(StepRecord):
     """A training configuration on a GPU, predicted (see the module docstring).
 
     Memory fields mean what they mean in `momlab.Measurement` (peak,
@@ -672,23 +673,7 @@ class Estimate:
     two traces rather than traced itself.
     """
 
-    model: str
-    mom: str
-    batch_size: int
-    precision: str
-    size: dict
     gpu: str
-    fits: bool
-    peak_bytes: int
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    activation_bytes: int
-    workspace_bytes: int
-    host_bytes: int
-    step_time_s: float
-    throughput: float
-    flops: int
     calibrated: bool
     capacity_bytes: int
     efficiency: float

@@ -17,7 +17,30 @@ from typing import Any
 
 
 @dataclass(frozen=True)
-class Measurement:
+class StepRecord:
+    """The fields of one training step that a `Measurement` measures and a `momlab.estimate.Estimate`
+    predicts: what ran, whether it fits, its memory breakdown, time and FLOPs (see `Measurement`)."""
+
+    model: str
+    mom: str
+    batch_size: int
+    precision: str
+    size: dict
+    fits: bool
+    peak_bytes: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    workspace_bytes: int
+    host_bytes: int
+    step_time_s: float
+    throughput: float
+    flops: int
+
+
+@dataclass(frozen=True)
+class Measurement(StepRecord):
     """One configuration of (model, MOM, batch, size, device, precision), measured.
 
     Memory fields are device bytes during a steady-state step (after `warmup`
@@ -54,23 +77,7 @@ class Measurement:
     (``peak_bytes`` the allocation that failed) and timings are NaN.
     """
 
-    model: str
-    mom: str
-    batch_size: int
     device: str
-    precision: str
-    size: dict
-    fits: bool
-    peak_bytes: int
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    activation_bytes: int
-    workspace_bytes: int
-    host_bytes: int
-    step_time_s: float
-    throughput: float
-    flops: int
     budget: int | None = None
     # how the memory figure was obtained: "cuda", "cpu-emulated", "predicted"
     memory_source: str = "cpu-emulated"
