@@ -1,6 +1,6 @@
 """momlab: a workbench for memory optimization methods (MOMs) in training.
 
-The public API (../shared/API.md; docs/ARCHITECTURE.md for the module chain).
+The public API (docs/API.md, kept true by tests/test_api.py; docs/ARCHITECTURE.md for the module chain).
 Some functions share their module's name (`measure`, `sweep`, `estimate`):
 the package attribute is the function; inside momlab, import from the module
 path (`from momlab.measure import measure`), never `from momlab import

@@ -37,8 +37,6 @@ def test_model_state_bytes_are_exact(model):
     opt = [v for s in w.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
     assert m.optimizer_bytes == _nbytes(opt) > 0
     assert m.peak_bytes >= m.params_bytes + m.optimizer_bytes + m.grads_bytes
-    assert m.peak_bytes == (m.params_bytes + m.grads_bytes + m.optimizer_bytes + m.activation_bytes
-                            + m.workspace_bytes) or m.workspace_bytes == 0
     assert m.flops > 0 and m.step_time_s > 0 and m.throughput == pytest.approx(2 / m.step_time_s)
 
 
@@ -79,6 +77,41 @@ def test_activation_bytes_grow_linearly_with_batch(model):
     assert a[3] - a[2] == 2 * per_sample
 
 
+F32 = 4
+
+
+@pytest.mark.parametrize("model", ["bert-base", "vit-base", "resnet50", "qwen2-0.5b"])
+def test_an_optimizer_bound_peak_is_the_state_and_one_gradient_sized_temporary(model):
+    """These tiny steps peak in the optimizer step, where the peak is known without measuring it.
+
+    Activations are freed by then; what is live is the parameters, gradients and
+    optimizer state, the loss (one fp32 scalar, held until the step returns), and
+    the one temporary per parameter the foreach optimizers allocate: AdamW the
+    square root of its second moment, SGD the gradient plus weight decay. So the
+    workspace is what the definition (peak less the four parts) makes of that:
+    one gradient's bytes and the loss, less the activations, never negative
+    (qwen2's tiny step holds more activations than gradients: 0).
+    """
+    size = catalog.tiny(model)
+    m = measure(model, batch_size=2, steps=1, **size)
+    w = build(model, batch_size=2, **size)
+    grads = sum(p.numel() * p.element_size() for p in w.model.parameters() if p.requires_grad)
+    assert m.grads_bytes == grads
+    assert m.peak_bytes == m.params_bytes + m.optimizer_bytes + grads + grads + F32
+    assert m.workspace_bytes == max(0, grads + F32 - m.activation_bytes)
+
+
+def test_checkpointing_frees_activations_not_an_optimizer_bound_peak():
+    """ckpt holds less for backward, but where the optimizer step sets the peak the peak stays: the freed
+    activations show up as workspace (the paper's point: memory saved is not memory that buys anything)."""
+    size = catalog.tiny("bert-base")
+    exact, ckpt = (measure("bert-base", mom, batch_size=2, steps=1, **size) for mom in ("exact", "ckpt"))
+    # only the two block inputs and the head's activations stay: 0.11 of exact's (84776 of 742184 bytes)
+    assert ckpt.activation_bytes < 0.2 * exact.activation_bytes
+    assert ckpt.peak_bytes == exact.peak_bytes
+    assert ckpt.workspace_bytes - exact.workspace_bytes == exact.activation_bytes - ckpt.activation_bytes > 0
+
+
 def test_budget_below_peak_is_data_and_leaves_nothing_behind():
     size = catalog.tiny("bert-base")
     before = measure("bert-base", batch_size=4, steps=1, **size)
@@ -93,14 +126,37 @@ def test_budget_below_peak_is_data_and_leaves_nothing_behind():
     assert fits.fits
 
 
-def test_budget_hit_in_backward_is_caught():
-    """A budget between the end-of-forward footprint and the peak fails during backward."""
+def test_budget_hit_in_backward_is_caught(monkeypatch):
+    """gpt2's tiny step peaks in backward (the logits' gradient): one byte less budget fails there, in
+    the probe step's backward (the warm-up's fitted: no optimizer state yet), and the record says so.
+
+    The record does not name the phase; a spy on torch.autograd.backward sees which call the
+    out-of-memory went through. (A budget of the end-of-forward footprint plus one byte, this test's
+    earlier choice, fails in the warm-up's optimizer step instead: AdamW creating its state.)
+    """
     size = catalog.tiny("gpt2")
     m = measure("gpt2", batch_size=2, steps=1, **size)
     forward_end = m.params_bytes + m.optimizer_bytes + m.activation_bytes
-    assert forward_end < m.peak_bytes
-    oom = measure("gpt2", batch_size=2, steps=1, budget=forward_end + 1, **size)
-    assert not oom.fits
+    assert forward_end < m.peak_bytes - 1
+    calls = []
+    backward = torch.autograd.backward
+
+    def spy(*args, **kwargs):
+        try:
+            backward(*args, **kwargs)
+        except OutOfMemory as exc:
+            calls.append(exc)
+            raise
+        calls.append("done")
+
+    monkeypatch.setattr(torch.autograd, "backward", spy)
+    oom = measure("gpt2", batch_size=2, steps=1, budget=m.peak_bytes - 1, **size)
+    assert len(calls) == 2 and calls[0] == "done" and isinstance(calls[1], OutOfMemory)  # warm-up, then probe
+    assert not oom.fits and oom.options["oom"] == "device" and oom.budget == m.peak_bytes - 1
+    # live bytes when it failed: the allocation that made the fitting run's peak, the same bytes
+    assert oom.peak_bytes == calls[1].live == m.peak_bytes
+    assert oom.error == (f"emulated device out of memory: {m.peak_bytes} bytes live after an allocation of "
+                         f"{calls[1].requested}, budget {m.peak_bytes - 1}")
 
 
 def test_weights_over_budget_do_not_fit():

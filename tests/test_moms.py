@@ -260,9 +260,15 @@ def test_user_stack_trains_identically():
     _assert_same_training(base, x, labels, ["ckpt", "ckpt-selective", "swap", "swap+ckpt"])
 
 
+# relative gradient error against exact under autocast (norm of the difference over exact's norm), at
+# twice what was measured (the same for bf16 and fp16 within 10%): quant8 0.00076-0.00081,
+# quant2+swap+ckpt 0.214, quant4+ckpt-selective 0.0224; the lossless MOMs are bit-identical
+AUTOCAST_GRAD_ERROR = {"ckpt": 0.0, "ckpt-selective": 0.0, "swap": 0.0, "quant8": 0.0017, "quant2+swap+ckpt": 0.43,
+                       "quant4+ckpt-selective": 0.045}
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mom", ["ckpt", "ckpt-selective", "swap", "quant8", "quant2+swap+ckpt",
-                                 "quant4+ckpt-selective"])
+@pytest.mark.parametrize("mom", list(AUTOCAST_GRAD_ERROR))
 def test_every_mom_runs_under_autocast(mom, dtype):
     torch.manual_seed(0)
     base = tiny_bert(dropout=0.1)
@@ -277,10 +283,15 @@ def test_every_mom_runs_under_autocast(mom, dtype):
         loss.backward()
         return loss.item(), [p.grad for p in net.parameters()]
 
-    exact_loss, _ = step("exact")
+    exact_loss, exact_grads = step("exact")
     loss, grads = step(mom)
     assert loss == exact_loss  # the forward is the same computation whatever the MOM
-    assert all(g is not None and g.dtype == torch.float32 and torch.isfinite(g).all() for g in grads)
+    assert all(g is not None and g.dtype == torch.float32 for g in grads)
+    if AUTOCAST_GRAD_ERROR[mom] == 0.0:  # recomputation replays the same autocast kernels; swap copies bits
+        assert all(torch.equal(g, e) for g, e in zip(grads, exact_grads))
+    else:
+        flat, exact_flat = torch.cat([g.flatten() for g in grads]), torch.cat([e.flatten() for e in exact_grads])
+        assert 0 < ((flat - exact_flat).norm() / exact_flat.norm()).item() < AUTOCAST_GRAD_ERROR[mom]
 
 
 # -- memory: what each MOM keeps for backward --------------------------------------------------------

@@ -173,7 +173,8 @@ def test_quant4_gradients_average_to_the_exact_gradient():
     # weight gradients of linear layers are linear in the saved inputs, so
     # unbiased rounding gives unbiased gradients: the mean over n steps'
     # noise converges as 1 / sqrt(n)
-    x, t = torch.randn(64, 64), torch.randn(64, 10)
+    g = torch.Generator().manual_seed(0)  # not the global stream: what ran before must not change the data
+    x, t = torch.randn(64, 64, generator=g), torch.randn(64, 10, generator=g)
     exact_net = _deep_linear()
     exact = _grad(exact_net, moms.apply(exact_net, "exact"), x, t)
     net = _deep_linear()
@@ -183,6 +184,8 @@ def test_quant4_gradients_average_to_the_exact_gradient():
     def error(n):
         return ((samples[:n].mean(0) - exact).norm() / exact.norm()).item()
 
+    # measured: error(1) 0.145, error(3) 0.084, error(48) 0.0205 (ratio 4.09; over six other data seeds
+    # error(48) 0.020-0.023, ratio 3.89-4.04): bounds 1.5x off the measurement
     assert error(48) < error(3) / 2.5  # sqrt(48 / 3) = 4 expected
     assert error(48) < 0.03
 
@@ -216,11 +219,13 @@ def test_single_step_gradient_error_is_ordered_and_bounded():
     # a standard deviation below half a step: 0.012 sigma (8 bits), 0.2 sigma
     # (4 bits), 1 sigma (2 bits). A weight gradient sums products over the
     # batch, where the signal adds up coherently and the independent noise
-    # does not, so its relative error stays below the per-value one (measured
-    # here: about 0.001, 0.02, 0.15).
-    assert err["quant8"] < 0.012
-    assert err["quant4"] < 0.2
-    assert err["quant2"] < 1.0
+    # does not, so its relative error stays below the per-value one. Measured
+    # (rounding seed 0, as here): 0.00111, 0.0268, 0.211; over rounding seeds
+    # 0-9: 0.0008-0.0017, 0.015-0.027, 0.124-0.234. The bounds are twice the
+    # seed-0 measurement, well inside the per-value ones.
+    assert err["quant8"] < 0.0022
+    assert err["quant4"] < 0.054
+    assert err["quant2"] < 0.42
 
 
 def test_training_with_quant4_and_quant8_reaches_the_exact_loss():
@@ -251,23 +256,33 @@ def test_training_with_quant4_and_quant8_reaches_the_exact_loss():
         with torch.no_grad():
             return F.mse_loss(net(x), y).item()
 
+    # measured relative distance from exact's final loss (0.0531), rounding seed 0: quant8 0.00019,
+    # quant4 0.0142 (seeds 1-3: up to 0.00019 and 0.0114); bounds twice the seed-0 measurement
     exact = final_loss("exact")
-    for mom in ("quant8", "quant4"):
-        assert abs(final_loss(mom) - exact) <= 0.05 * exact, mom
+    for mom, bound in (("quant8", 0.0004), ("quant4", 0.03)):
+        assert abs(final_loss(mom) - exact) <= bound * exact, mom
 
 
 # -- precision ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_quant_trains_under_autocast(dtype):
-    net = _tiny_bert()
-    handle = moms.apply(net, "quant4+ckpt")
+    base = _tiny_bert()
     ids, labels = torch.randint(0, 100, (4, 32)), torch.randint(0, 3, (4,))
-    with torch.autocast("cpu", dtype=dtype), handle.context():
-        loss = F.cross_entropy(net(ids).logits, labels)
-    loss.backward()
-    grads = [p.grad for p in net.parameters() if p.grad is not None]
-    assert grads and all(torch.isfinite(g).all() and g.dtype == torch.float32 for g in grads)
+
+    def grads(mom):
+        net = copy.deepcopy(base)
+        handle = moms.apply(net, mom)
+        with torch.autocast("cpu", dtype=dtype), handle.context():
+            loss = F.cross_entropy(net(ids).logits, labels)
+        loss.backward()
+        return [p.grad for p in net.parameters() if p.grad is not None]
+
+    got, exact = grads("quant4+ckpt"), grads("exact")
+    assert len(got) == len(exact) > 0 and all(g.dtype == torch.float32 for g in got)  # fp32 master gradients
+    flat, exact_flat = torch.cat([g.flatten() for g in got]), torch.cat([e.flatten() for e in exact])
+    # measured relative error: 0.0259 (bf16 and fp16 alike); bound twice that
+    assert 0 < ((flat - exact_flat).norm() / exact_flat.norm()).item() < 0.052
 
 
 def test_meta_tensors_pack_to_the_same_byte_counts():

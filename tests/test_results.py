@@ -262,6 +262,36 @@ def test_param_file_unknown_key_names_it_and_the_valid_ones(tmp_path):
         read_params(f)
 
 
+@pytest.mark.parametrize("text, where", [
+    ("models: [bert-base\nmoms: [exact]\n", "line 2, column 5: expected ',' or ']', but got ':' "
+                                            "(while parsing a flow sequence started at line 1)"),
+    ("models: bert-base\n  moms: exact\n", "line 2, column 7: mapping values are not allowed here"),
+    ("models: bert-base\nmoms: @exact\n", "line 2, column 7: found character '@' that cannot start any token"),
+    ("- bert-base\n- gpt2\n", "line 1, column 1: the top level is a list, not a mapping of keys (name, store, "),
+    ("", "line 1, column 1: the top level is empty, not a mapping"),
+])
+def test_malformed_param_file_names_file_and_position(tmp_path, text, where):
+    f = tmp_path / "bad.yaml"
+    f.write_text(text)
+    with pytest.raises(ValueError) as info:
+        read_params(f)
+    message = str(info.value)
+    assert message.startswith(f"params file {f}: {where}") and "\n" not in message, message
+
+
+def test_cli_sweep_of_a_malformed_param_file_is_one_line_and_exit_2(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("models: [bert-base\nmoms: [exact]\n")
+    missing = tmp_path / "missing.yaml"
+    for path, says in ((f, "line 2, column 5"), (missing, "No such file or directory")):
+        r = subprocess.run([sys.executable, "-m", "momlab", "sweep", str(path), "--no-progress"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1, r.stderr  # one line, no traceback
+        assert lines[0].startswith(f"python -m momlab sweep: error: params file {path}: ") and says in lines[0]
+        assert r.stdout == ""
+
+
 def test_sweep_from_file(tmp_path):
     f = tmp_path / "s1_fake.yaml"
     store = tmp_path / "out.jsonl"

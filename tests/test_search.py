@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from momlab import catalog
+from momlab.measure import measure
 from momlab.record import Measurement
 from momlab.search import Search, find_max, max_batch_size, max_model_size, size_step, trial_bound
 from momlab.units import parse_bytes
@@ -284,25 +286,7 @@ def test_fresh_process_each_trial_new_and_errors_propagate():
         measure_in_fresh_process(fake_measure, model="fake", batch_size=0)
 
 
-# -- real CPU (needs momlab.measure and the MOMs) -------------------------------------
-
-def _real():
-    try:
-        from momlab import catalog
-        from momlab.measure import measure
-    except ImportError as exc:  # pragma: no cover - until measure lands
-        pytest.skip(f"momlab.measure not available yet: {exc}")
-    return measure, catalog
-
-
-def _have_mom(name: str) -> bool:
-    try:
-        from momlab.workload import parse_mom
-        parse_mom(name)
-        return True
-    except (ImportError, ValueError):
-        return False
-
+# -- real CPU: momlab.measure and the MOMs -------------------------------------------
 
 # bert-base's tiny preset with 8 layers: per-layer activations dominate (2-class head, no big
 # logits), the case checkpointing and activation quantization are for
@@ -311,7 +295,6 @@ REAL_MODEL = "bert-base"
 
 @pytest.fixture(scope="module")
 def real_setup():
-    measure, catalog = _real()
     size = {**catalog.tiny(REAL_MODEL), "num_layers": 8}
     # at batch 1 or 2 the peak is the optimizer step's, whatever the batch: grow from 8
     m8 = measure(REAL_MODEL, batch_size=8, steps=1, **size)
@@ -319,12 +302,12 @@ def real_setup():
     assert m16.peak_bytes > m8.peak_bytes
     budget = (m8.peak_bytes + m16.peak_bytes) // 2  # exact fits about 12
     exact = max_batch_size(REAL_MODEL, budget=budget, **size)
-    return measure, size, budget, exact
+    return size, budget, exact
 
 
 @pytest.mark.slow
 def test_real_max_batch_size_fits_and_next_does_not(real_setup):
-    measure, size, budget, s = real_setup
+    size, budget, s = real_setup
     assert s.value >= 1 and len(s.trials) <= trial_bound(s.value)
     assert s.best.fits and s.best.batch_size == s.value and s.best.budget == budget
     assert not s.failure.fits and s.failure.batch_size == s.value + 1
@@ -336,9 +319,7 @@ def test_real_max_batch_size_fits_and_next_does_not(real_setup):
 @pytest.mark.slow
 @pytest.mark.parametrize("mom", ["ckpt", "quant4"])
 def test_real_moms_fit_larger_batches_than_exact(real_setup, mom):
-    measure, size, budget, exact = real_setup
-    if not _have_mom(mom):
-        pytest.skip(f"MOM {mom!r} is not implemented yet (momlab.workload.parse_mom refuses it)")
+    size, budget, exact = real_setup
     # the limit keeps the trials few (and cheap) once the MOM is known to beat exact
     other = max_batch_size(REAL_MODEL, mom, budget=budget, limit=2 * exact.value + 2, **size)
     assert other.value > exact.value, (exact.tried, [m.peak_bytes for m in exact.trials],
