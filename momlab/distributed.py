@@ -109,6 +109,9 @@ SETTLE_S = 3.0
 # gradients arrived) and allocates new ones then: a DDP measurement warms up
 # at least this many steps, so the probe step sees the final buckets
 DDP_MIN_WARMUP = 2
+# how long a CPU rank yields before reading its account at the end of forward (see _RankProbe.forward_end);
+# the peak itself can still include such a buffer (docs/LOG.md, 2026-12-03 14:20)
+GLOO_SETTLE_S = 0.01
 # modules a rank needs, imported once by the fork server
 _PRELOAD = ["momlab.distributed", "transformers.modeling_utils"] + [
     f"transformers.models.{m}" for m in ("bert.modeling_bert", "gpt2.modeling_gpt2", "swin.modeling_swin",
@@ -491,9 +494,13 @@ class _RankProbe:
         self.forward_live = self.forward_host = self.grads = self.comm = 0
 
     def forward_end(self):
+        r = self.r
+        if r.device.type == "cpu" and dist.is_initialized():
+            # gloo's worker thread drops a finished collective's buffers a moment after the rank moved on,
+            # and that free needs the GIL: let it run before reading (it was once counted as activations)
+            time.sleep(GLOO_SETTLE_S)
         self.forward_live = self.live()
         self.forward_host = self.host()
-        r = self.r
         if r.strategy == "ddp":
             # the buckets (the gradients' storage) stay resident between steps
             self.comm = self.bytes_of(r.buckets)
