@@ -6,7 +6,6 @@ resolved, its size with defaults filled in, the MOM parsed (`momlab.moms.Mom`),
 the device normalized, the budget in bytes, the parallel strategy split from
 its offload. measure, measure_distributed and the searches build on it; the
 layers below take its fields as they are and do not check or parse again.
-`Config.params()` is the configuration in the store's canonical form.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from momlab.device import check_device
 from momlab.errors import check_choice
 from momlab.moms import Mom, parse_mom
 from momlab.units import parse_bytes
-from momlab.usermodel import name_of, resolve
+from momlab.usermodel import resolve
 from momlab.workload import PRECISIONS, check_batch_size
 
 # the spellings `parallel` accepts; "+offload" only where weights are sharded
@@ -116,9 +115,3 @@ class Config:
     def distributed(self) -> bool:
         """Whether this runs on ranks (a parallel strategy), not as plain one-process training."""
         return self.parallel != "none" or self.ranks != 1
-
-    def params(self) -> dict:
-        """The configuration as the results store keys it (`momlab.results.PARAM_KEYS`)."""
-        return dict(model=name_of(self.model), mom=str(self.mom), batch_size=self.batch_size,
-                    device=self.device.type, precision=self.precision, size=dict(self.size), budget=self.budget,
-                    steps=self.steps, warmup=self.warmup, seed=self.seed)

@@ -194,8 +194,6 @@ class _Runner:
 def model_size(size, model: str) -> dict:
     """The fixed size keywords of `model`: `size` is None, "tiny", a mapping of
     size keywords, or a mapping {model name: any of those} (one per model)."""
-    from momlab import catalog
-
     name = model if isinstance(model, str) else model.name
     if isinstance(size, dict) and size and set(size) <= {*catalog.models(), name} - set(catalog.SIZE_KEYWORDS):
         size = size.get(name)
@@ -237,9 +235,8 @@ def _check(models, moms, batch_sizes, budgets, device, precisions, size, sizes, 
     if searching and device.split(":")[0] == "cpu" and None in budgets:
         raise ValueError("an 'auto' sweep on cpu needs a budget (the emulated device has no capacity of its own)")
     if validate_names:
-        from momlab import catalog
         from momlab.errors import check_choice
-        from momlab.workload import PRECISIONS, parse_mom
+        from momlab.workload import PRECISIONS
 
         for model in models:
             if isinstance(model, str):
@@ -315,8 +312,6 @@ _AUTO_SAMPLES = 2 * (1 + 2 + 4 + 8 + 16 + 32 + 64)
 @functools.lru_cache(maxsize=None)
 def _parameters(model: str, size_json: str) -> int:
     import torch
-
-    from momlab import catalog
 
     with torch.device("meta"):
         net = catalog.make_model(model, catalog.resolve_size(model, json.loads(size_json)))
