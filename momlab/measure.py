@@ -36,7 +36,7 @@ from momlab.moms import auto
 from momlab.provenance import environment
 from momlab.record import Measurement
 from momlab.units import parse_bytes
-from momlab.workload import PRECISIONS, Workload, build, check_batch_size, parse_mom
+from momlab.workload import PRECISIONS, Workload, build, check_batch_size, parse_mom, stack
 
 
 def _check(model, mom, batch_size, device, budget, precision, steps, warmup, size):
@@ -71,7 +71,8 @@ class _Probe:
 
 
 def measure(model: str, mom: str = "exact", *, batch_size: int, device: str = "cpu", budget=None,
-            precision: str = "fp32", steps: int = 3, warmup: int = 1, seed: int = 0, **size) -> Measurement:
+            precision: str = "fp32", steps: int = 3, warmup: int = 1, seed: int = 0, attention: str | None = None,
+            setup: str = "default", **size) -> Measurement:
     """Measure one training configuration; see the module docstring and `Measurement`.
 
     >>> m = measure("bert-base", batch_size=2, **catalog.tiny("bert-base"))  # doctest: +SKIP
@@ -79,8 +80,9 @@ def measure(model: str, mom: str = "exact", *, batch_size: int, device: str = "c
     (True, True)
     """
     size, mom, dev, budget = _check(model, mom, batch_size, device, budget, precision, steps, warmup, size)
+    st = stack(model, setup, attention)
     base = dict(model=model, mom=mom, batch_size=batch_size, device=dev.type, precision=precision, size=size,
-                budget=budget, env=environment(dev))
+                budget=budget, attention=st.attention, setup=st.setup, env=environment(dev))
     gc.collect()
     if dev.type == "cuda":
         return _measure_cuda(base, dev, budget, steps, warmup, seed)
@@ -290,7 +292,8 @@ def _measure_emulated(base, dev, budget, steps, warmup, seed) -> Measurement:
     w = None
     try:
         w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
-                  precision=base["precision"], seed=seed, **base["size"])
+                  precision=base["precision"], seed=seed, attention=base["attention"],
+                  setup=base["setup"], **base["size"])
         with tracker:
             tracker.track(w.state_tensors()["params"])
             tracker.check_budget()
@@ -318,7 +321,8 @@ def _measure_cuda(base, dev, budget, steps, warmup, seed) -> Measurement:
     try:
         with mem.capped():
             w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
-                      precision=base["precision"], seed=seed, **base["size"])
+                      precision=base["precision"], seed=seed, attention=base["attention"],
+                      setup=base["setup"], **base["size"])
             # a tracker on the host side counts what a MOM keeps in host memory (swap)
             host = StorageTracker(devices=("cpu",))
             with host:

@@ -41,6 +41,10 @@ class Measurement:
     are the floating-point operations of one step counted by
     ``torch.utils.flop_counter.FlopCounterMode`` (recomputation included).
 
+    ``attention``: the attention kernel (transformers' attn_implementation,
+    "eager" or "sdpa"; None for models without attention); ``setup``: the
+    named software stack it came from ("default", "paper": `momlab.workload.stack`).
+
     ``fits`` is False when the step ran out of memory (a real device OOM or the
     budget exceeded); then memory fields hold what was known at the failure
     (``peak_bytes`` the allocation that failed) and timings are NaN.
@@ -64,6 +68,8 @@ class Measurement:
     throughput: float
     flops: int
     budget: int | None = None
+    attention: str | None = None
+    setup: str = "default"
     # how the memory figure was obtained: "cuda", "cpu-emulated", "predicted"
     memory_source: str = "cpu-emulated"
     step_times_s: tuple = ()

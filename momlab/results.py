@@ -34,6 +34,9 @@ from momlab.units import parse_bytes
 # What changes a measurement, and so separates otherwise equal configurations.
 FINGERPRINT_KEYS = ("device", "device_name", "cpu", "gpu", "threads", "torch", "transformers")
 PARAM_KEYS = ("model", "mom", "batch_size", "device", "precision", "size", "budget", "steps", "warmup", "seed")
+# settings added later, with their defaults: part of the key only when not the default, so the keys of
+# records stored before them stay what they were (a resumed sweep still skips them)
+OPTIONAL_PARAMS = {"attention": None, "setup": "default"}
 _FLATTEN = ("size", "env")
 
 
@@ -64,6 +67,9 @@ def canonical_params(params: dict) -> dict:
     p["mom"] = "+".join(sorted(str(p["mom"]).split("+")))  # quant4+ckpt == ckpt+quant4 (API.md)
     p["budget"] = None if p["budget"] is None else parse_bytes(p["budget"])
     p["size"] = {k: p["size"][k] for k in sorted(p["size"] or {})}
+    for k, default in OPTIONAL_PARAMS.items():
+        if params.get(k, default) != default:
+            p[k] = params[k]
     return p
 
 

@@ -34,10 +34,11 @@ import math
 from pathlib import Path
 
 from momlab.record import Measurement
-from momlab.results import PARAM_KEYS, Store, config_key, environment, make_record, to_frame
+from momlab.results import OPTIONAL_PARAMS, PARAM_KEYS, Store, config_key, environment, make_record, to_frame
 from momlab.search import (SIZE_KEYWORDS, Search, max_batch_size, max_model_size, measure_in_fresh_process,
                            resolve_measure)
 from momlab.units import format_bytes, parse_bytes
+from momlab.workload import stack
 
 # The keys of a parameter file, each a keyword of `sweep`, with what it means.
 FILE_KEYS = {
@@ -109,7 +110,7 @@ class _Runner:
         self.measured = self.skipped = 0
 
     def _measure(self, params: dict) -> Measurement:
-        kwargs = {k: v for k, v in params.items() if k != "size"}
+        kwargs = {k: v for k, v in params.items() if k != "size"}  # optional stack settings included
         kwargs.update(params["size"])
         return measure_in_fresh_process(self.fn, **kwargs) if self.fresh else self.fn(**kwargs)
 
@@ -136,6 +137,7 @@ class _Runner:
 
         def measure(**kwargs) -> Measurement:
             params = {k: kwargs.pop(k) for k in PARAM_KEYS if k != "size"}
+            params.update({k: kwargs.pop(k) for k in OPTIONAL_PARAMS if k in kwargs})
             params["size"] = kwargs
             key = config_key(params, self.env)
             rec = self.trials.get(key)
@@ -219,12 +221,14 @@ def _check(models, moms, batch_sizes, budgets, device, precisions, size, sizes, 
 def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str = "cpu", precision="fp32",
           size=None, sizes=None, steps: int = 3, warmup: int = 1, seed: int = 0, batch_step: int = 1,
           search_steps: int = 1, fresh_process: bool = False, store=None, name: str = "sweep",
-          params_file=None, progress: bool = True, measure_fn=None):
+          params_file=None, progress: bool = True, measure_fn=None, attention: str | None = None,
+          setup: str = "default"):
     """Measure a grid of configurations into a resumable store; return its records as a DataFrame.
 
     `models`, `moms`, `precision` and `budget` take one value or a list;
     `batch_sizes` a list or "auto"; `size` fixes size keywords (or "tiny");
-    `sizes` scans ``{keyword: [values] | "auto"}``. The store defaults to
+    `sizes` scans ``{keyword: [values] | "auto"}``; `setup` and `attention`
+    pick the software stack of every point (`momlab.workload.stack`). The store defaults to
     ``results/<name>.jsonl``. The frame has one row per point of this sweep
     (recorded now or before), in plan order, as `momlab.results.load` gives;
     ``df.attrs`` says the store and how many points were measured now or skipped.
@@ -247,6 +251,10 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
     bar = tqdm(total=0, disable=not progress, unit="point", dynamic_ncols=True)
     runner = _Runner(store, env, measure_fn, fresh_process, run, bar)
     sizes = sizes or {}
+    for model in models:  # a bad setting fails before anything is measured
+        stack(model, setup, attention)
+    # the stack settings travel with every point, and are part of its key only when not the default
+    stack_kw = {k: v for k, v in (("attention", attention), ("setup", setup)) if v != OPTIONAL_PARAMS[k]}
     listed = [(dim, v) for dim, values in sizes.items() if values != "auto" for v in values]
     searched = [dim for dim, values in sizes.items() if values == "auto"]
 
@@ -272,13 +280,14 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
                 for bud in budgets:
                     for mom in moms:
                         base = dict(model=model, mom=mom, device=device, precision=prec, budget=bud, steps=steps,
-                                    warmup=warmup, seed=seed)
+                                    warmup=warmup, seed=seed, **stack_kw)
                         for scan, sz in scans:
                             next_config()
                             if batch_sizes == "auto":
                                 s = max_batch_size(model, mom, budget=bud, device=device, precision=prec,
                                                    step=batch_step, steps=search_steps, warmup=warmup,
-                                                   seed=seed, measure_fn=runner.cached_measure("batch_size"), **sz)
+                                                   seed=seed, measure_fn=runner.cached_measure("batch_size"),
+                                                   **stack_kw, **sz)
                                 batches = auto_points(s)
                             else:
                                 batches = list(batch_sizes)
@@ -291,7 +300,8 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
                                 next_config()
                                 s = max_model_size(model, mom, dim=dim, batch_size=b, budget=bud, device=device,
                                                    precision=prec, steps=search_steps, warmup=warmup,
-                                                   seed=seed, measure_fn=runner.cached_measure(dim), **rest)
+                                                   seed=seed, measure_fn=runner.cached_measure(dim),
+                                                   **stack_kw, **rest)
                                 values = auto_points(s)
                                 grow(len(values))
                                 for v in values:

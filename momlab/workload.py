@@ -9,6 +9,14 @@ Optimizers follow the paper: AdamW for transformers, SGD with momentum for
 ResNets. Both run with ``foreach=True`` on every device: it is CUDA's default,
 its temporaries can set the peak, and choosing it everywhere makes the CPU's
 emulated device account the same step a GPU runs (recorded in `options`).
+
+The software stack beside model and MOM is a `Stack`, named by a *setup*:
+"default" is today's (transformers' default attention kernel, sdpa; the
+catalog's optimizer), "paper" the paper's own code per model (eager attention
+as the 2022 transformers and Swin code ran it, which keeps the attention
+probabilities and dropout masks; AdamW for BERT and Swin, Adam for GPT,
+SGD with momentum for ResNet; fp16 by autocast with fp32 weights as the
+master copy). An explicit `attention` overrides the setup's.
 """
 
 from __future__ import annotations
@@ -29,6 +37,11 @@ from momlab.errors import check_choice
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 FOREACH = True
+ATTENTIONS = ("eager", "sdpa")  # transformers' attn_implementation values momlab supports
+SETUPS = ("default", "paper")
+_ATTENTION_FAMILIES = ("bert", "gpt", "swin", "vit")
+# the paper's optimizer per family (its code: HF run_glue AdamW, Swin's AdamW, fairseq Adam, torchvision SGD)
+_PAPER_OPTIMIZER = {"bert": "adamw", "swin": "adamw", "vit": "adamw", "gpt": "adam", "resnet": "sgd"}
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
 
@@ -47,6 +60,35 @@ def parse_mom(mom: str) -> str:
     if canonical is None and mom == "exact":  # TEMP until moms lands
         return mom
     return canonical(mom)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The software stack of a step (see the module docstring); a frozen value, parsed once by `stack`."""
+
+    setup: str  # the named setup it came from: "default" or "paper"
+    attention: str | None  # transformers' attn_implementation; None for models without attention
+    optimizer: str  # adamw | adam | sgd
+
+
+def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
+    """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
+
+    >>> stack("bert-large", "paper")
+    Stack(setup='paper', attention='eager', optimizer='adamw')
+    >>> stack("gpt3-small", attention="eager").optimizer
+    'adamw'
+    """
+    family = catalog.spec(model).family
+    check_choice("setup", setup, SETUPS)
+    if attention is not None:
+        check_choice("attention", attention, ATTENTIONS)
+        if family not in _ATTENTION_FAMILIES:
+            raise ValueError(f"{model} has no attention layers: attention must be None, got {attention!r}")
+    elif family in _ATTENTION_FAMILIES:
+        attention = "eager" if setup == "paper" else "sdpa"
+    optimizer = _PAPER_OPTIMIZER[family] if setup == "paper" else catalog.spec(model).optimizer
+    return Stack(setup, attention, optimizer)
 
 
 @dataclass
@@ -106,9 +148,11 @@ class Workload:
 
 
 def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu", precision: str = "fp32",
-          seed: int = 0, **size) -> Workload:
-    """Build `model` at `size` with `mom` applied, ready to `.step()`."""
-    spec = catalog.spec(model)
+          seed: int = 0, attention: str | None = None, setup: str = "default", **size) -> Workload:
+    """Build `model` at `size` with `mom` applied, ready to `.step()`; `setup` and `attention` pick the
+    software stack (`stack`)."""
+    catalog.spec(model)
+    st = stack(model, setup, attention)
     size = catalog.resolve_size(model, size)
     check_batch_size(batch_size)
     check_choice("precision", precision, PRECISIONS)
@@ -118,9 +162,9 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     torch.manual_seed(seed)
     if dev.type == "meta":
         with torch.device("meta"):
-            net = catalog.make_model(model, size)
+            net = catalog.make_model(model, size, attention=st.attention)
     else:
-        net = catalog.make_model(model, size)
+        net = catalog.make_model(model, size, attention=st.attention)
         if dev.type != "cpu":  # built on the CPU; .to() would try to swap a fake tensor's storage (estimate)
             net = net.to(dev)
     net.train()
@@ -129,14 +173,16 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
         from momlab.moms import apply
 
         handle = apply(net, mom, blocks=catalog.blocks(model, net))
-    if spec.optimizer == "adamw":
+    if st.optimizer == "adamw":
         opt = torch.optim.AdamW(net.parameters(), foreach=FOREACH, **ADAMW)
+    elif st.optimizer == "adam":  # the same two moments as AdamW, no decoupled weight decay
+        opt = torch.optim.Adam(net.parameters(), foreach=FOREACH, lr=ADAMW["lr"])
     else:
         opt = torch.optim.SGD(net.parameters(), foreach=FOREACH, **SGD)
     scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" and dev.type != "meta" else None
     gen = torch.Generator().manual_seed(seed)
     options = {
-        "optimizer": spec.optimizer, "foreach": FOREACH,
+        "optimizer": st.optimizer, "foreach": FOREACH, "setup": st.setup,
         "attn_implementation": getattr(getattr(net, "config", None), "_attn_implementation", None),
     }
     return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen)
