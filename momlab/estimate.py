@@ -459,6 +459,7 @@ class Probe:
     ops: np.ndarray  # per op, an id of the aten op (to check two traces align)
     seconds: float = 0.0  # how long tracing took
     padding: np.ndarray | None = None  # allocator round-up bytes included in `live`, at the start and per op
+    forward_grads: int = 0  # gradients resident at the end of forward (zeroed in place, not freed)
 
     @property
     def peak_bytes(self) -> int:
@@ -471,7 +472,7 @@ class Probe:
 
     @property
     def activation_bytes(self) -> int:
-        return max(0, self.forward_live - self.params_bytes - self.optimizer_bytes)
+        return max(0, self.forward_live - self.params_bytes - self.optimizer_bytes - self.forward_grads)
 
     @property
     def workspace_bytes(self) -> int:
@@ -511,6 +512,7 @@ class _Session:
 
         def forward_end():
             state["live"], state["host"] = tracer.device_bytes, tracer.host_bytes
+            state["fwd_grads"] = unique_storage_bytes(w.state_tensors()["grads"])
 
         def backward_end():
             state["grads"] = unique_storage_bytes(w.state_tensors()["grads"])
@@ -531,7 +533,8 @@ class _Session:
             state["grads"], state["live"], state["host"], np.asarray(log["live"], dtype=np.int64),
             np.asarray(log["flops"], dtype=np.float64), np.asarray(log["extra"], dtype=np.float64),
             np.asarray(log["bytes"], dtype=np.float64), np.asarray(log["fmt"], dtype=np.int8),
-            np.asarray(log["op"], dtype=np.int32), time.perf_counter() - t0, np.asarray(log["pad"], dtype=np.int64))
+            np.asarray(log["op"], dtype=np.int32), time.perf_counter() - t0, np.asarray(log["pad"], dtype=np.int64),
+            state["fwd_grads"])
 
 
 # -- profiles: two traces, any batch ------------------------------------------------------
@@ -596,7 +599,8 @@ class Profile:
             np.maximum(0.0, lerp(lo.flops, hi.flops)), np.maximum(0.0, lerp(lo.extra_flops, hi.extra_flops)),
             np.maximum(0.0, lerp(lo.bytes, hi.bytes)), lo.fmt, lo.ops, 0.0,
             None if lo.padding is None else np.rint(lerp(lo.padding.astype(np.float64),
-                                                         hi.padding.astype(np.float64))).astype(np.int64))
+                                                         hi.padding.astype(np.float64))).astype(np.int64),
+            lo.forward_grads)
 
     def peak_bytes(self, batch_sizes) -> np.ndarray:
         """Predicted peak at each of `batch_sizes` (vectorized)."""
@@ -687,7 +691,7 @@ def clear_cache() -> None:
 TRACE_CACHE: Path | None = ROOT / "build" / "cache" / "traces"
 _DISK_FORMAT = 2
 _SCALARS = ("batch_size", "params_bytes", "optimizer_bytes", "grads_bytes", "forward_live", "forward_host",
-            "seconds")
+            "seconds", "forward_grads")
 _ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops", "padding")
 
 

@@ -60,11 +60,13 @@ class _Probe:
 
     def __init__(self, live, host, workload: Workload):
         self.live, self.host, self.w = live, host, workload
-        self.forward_live = self.forward_host = self.grads_bytes = 0
+        self.forward_live = self.forward_host = self.grads_bytes = self.forward_grads = 0
 
     def forward_end(self):
         self.forward_live = self.live()
         self.forward_host = self.host()
+        # gradients zeroed in place (not freed) are resident through forward: not activations
+        self.forward_grads = unique_storage_bytes(self.w.state_tensors()["grads"])
 
     def backward_end(self):
         self.grads_bytes = unique_storage_bytes(self.w.state_tensors()["grads"])
@@ -101,7 +103,7 @@ def _breakdown(base, w: Workload, peak: int, bytes_of, probe: _Probe, flops: int
     params = bytes_of(state["params"])
     optimizer = bytes_of(state["optimizer"])
     grads = probe.grads_bytes
-    activation = max(0, probe.forward_live - params - optimizer)
+    activation = max(0, probe.forward_live - params - optimizer - probe.forward_grads)
     workspace = max(0, peak - params - grads - optimizer - activation)
     step_time = statistics.median(times)
     return Measurement(

@@ -16,7 +16,12 @@ catalog's optimizer), "paper" the paper's own code per model (eager attention
 as the 2022 transformers and Swin code ran it, which keeps the attention
 probabilities and dropout masks; AdamW for BERT and Swin, Adam for GPT,
 SGD with momentum for ResNet; fp16 by autocast with fp32 weights as the
-master copy). An explicit `attention` overrides the setup's.
+master copy; GPT's MLP activation is exact GELU as in fairseq's GPT, where
+transformers' GPT-2 uses the tanh approximation, whose pow and tanh CUDA
+autocast runs in fp32, keeping several fp32 copies of the MLP's widest
+tensor; and gradients are zeroed in place rather than freed, as
+``zero_grad()`` did before torch 2.0, so they stay allocated through the next
+forward). An explicit `attention` overrides the setup's.
 """
 
 from __future__ import annotations
@@ -69,13 +74,15 @@ class Stack:
     setup: str  # the named setup it came from: "default" or "paper"
     attention: str | None  # transformers' attn_implementation; None for models without attention
     optimizer: str  # adamw | adam | sgd
+    activation: str | None = None  # GPT's MLP activation replaced by this (transformers' ACT2FN name); None: keep
+    grads_to_none: bool = True  # zero_grad(set_to_none=...): torch >= 2.0's default frees the gradients
 
 
 def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
     """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
 
     >>> stack("bert-large", "paper")
-    Stack(setup='paper', attention='eager', optimizer='adamw')
+    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False)
     >>> stack("gpt3-small", attention="eager").optimizer
     'adamw'
     """
@@ -88,7 +95,8 @@ def stack(model: str, setup: str = "default", attention: str | None = None) -> S
     elif family in _ATTENTION_FAMILIES:
         attention = "eager" if setup == "paper" else "sdpa"
     optimizer = _PAPER_OPTIMIZER[family] if setup == "paper" else catalog.spec(model).optimizer
-    return Stack(setup, attention, optimizer)
+    paper = setup == "paper"
+    return Stack(setup, attention, optimizer, "gelu" if paper and family == "gpt" else None, not paper)
 
 
 @dataclass
@@ -108,6 +116,7 @@ class Workload:
     handle: object | None = None
     options: dict = field(default_factory=dict)
     generator: torch.Generator | None = None
+    grads_to_none: bool = True  # free the gradients after the optimizer step (else zero them in place)
 
     def batch(self) -> dict:
         """A fresh synthetic batch (seeded: the same sequence for the same seed)."""
@@ -134,7 +143,7 @@ class Workload:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.grads_to_none)
         if self.device.type == "meta" or is_fake(loss):  # no data: a traced step (momlab.estimate)
             return float("nan")
         return loss.detach().float().item()
@@ -167,6 +176,11 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
         net = catalog.make_model(model, size, attention=st.attention)
         if dev.type != "cpu":  # built on the CPU; .to() would try to swap a fake tensor's storage (estimate)
             net = net.to(dev)
+    if st.activation is not None:
+        from transformers.activations import ACT2FN
+
+        for block in catalog.blocks(model, net):
+            block.mlp.act = ACT2FN[st.activation]
     net.train()
     handle = None
     if mom != "exact":
@@ -182,7 +196,9 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" and dev.type != "meta" else None
     gen = torch.Generator().manual_seed(seed)
     options = {
-        "optimizer": st.optimizer, "foreach": FOREACH, "setup": st.setup,
+        "optimizer": st.optimizer, "foreach": FOREACH, "setup": st.setup, "activation": st.activation,
+        "grads_to_none": st.grads_to_none,
         "attn_implementation": getattr(getattr(net, "config", None), "_attn_implementation", None),
     }
-    return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen)
+    return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen,
+                    st.grads_to_none)
