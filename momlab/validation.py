@@ -114,18 +114,21 @@ def summary(table: pd.DataFrame) -> dict:
             "within_15pct": int((err <= 0.15).sum())}
 
 
-def breakdown_table(*, setup: str = "paper") -> pd.DataFrame:
+def breakdown_table(models=None, *, setup: str = "paper") -> pd.DataFrame:
     """Predicted vs the paper's exact-step memory breakdown at `BREAKDOWN_BATCH` (bytes).
 
     One row per (model, component): component is activation (the paper:
     allocated at the end of forward beyond the model-related bytes; momlab:
     ``activation_bytes``), model (weights + gradients + optimizer state;
     momlab: params + grads + optimizer) or peak. Columns: model,
-    batch_size, component, paper_bytes, predicted_bytes, error.
+    batch_size, component, paper_bytes, predicted_bytes, error. `models`:
+    those of `BREAKDOWN_BATCH` to show (default all).
     """
     runs = reference.paper_runs()
     rows = []
     for model, batch in BREAKDOWN_BATCH.items():
+        if models is not None and model not in models:
+            continue
         sel = runs[(runs["model"] == model) & (runs["mom"] == "exact") & (runs["gpus"] == 1)
                    & (runs["batch_size"] == batch) & runs["fits"] & runs["activation_bytes"].notna()
                    & (runs["precision"] == reference.PRECISION[model])]
