@@ -38,7 +38,8 @@ from momlab.results import OPTIONAL_PARAMS, PARAM_KEYS, Store, config_key, envir
 from momlab.search import (SIZE_KEYWORDS, Search, max_batch_size, max_model_size, measure_in_fresh_process,
                            resolve_measure)
 from momlab.units import format_bytes, parse_bytes
-from momlab.workload import stack
+from momlab.errors import check_choice
+from momlab.workload import ATTENTIONS, SETUPS, stack
 
 # The keys of a parameter file, each a keyword of `sweep`, with what it means.
 FILE_KEYS = {
@@ -251,7 +252,11 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
     bar = tqdm(total=0, disable=not progress, unit="point", dynamic_ncols=True)
     runner = _Runner(store, env, measure_fn, fresh_process, run, bar)
     sizes = sizes or {}
-    for model in models:  # a bad setting fails before anything is measured
+    # a bad setting fails before anything is measured (model names only where momlab measures them)
+    check_choice("setup", setup, SETUPS)
+    if attention is not None:
+        check_choice("attention", attention, ATTENTIONS)
+    for model in models if measure_fn is None else ():
         stack(model, setup, attention)
     # the stack settings travel with every point, and are part of its key only when not the default
     stack_kw = {k: v for k, v in (("attention", attention), ("setup", setup)) if v != OPTIONAL_PARAMS[k]}
