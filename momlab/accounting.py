@@ -88,6 +88,10 @@ class StorageTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.peak_host_bytes = 0
         self.enforce = True
+        # device allocations are counted rounded up to this many bytes, as an allocator hands them out
+        # (CUDA's caching allocator: 512; 1 counts tensor bytes); the round-up total is `padding_bytes`
+        self.granule = 1
+        self.padding_bytes = 0
 
     # -- registration -----------------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor], *, host: bool = False) -> None:
@@ -101,7 +105,8 @@ class StorageTracker(TorchDispatchMode):
             return
         st = t.untyped_storage()
         key = st._cdata
-        nbytes = st.nbytes()
+        raw = st.nbytes()
+        nbytes = raw if host or self.granule == 1 else -(-raw // self.granule) * self.granule
         entry = self._live.get(key)
         if entry is not None:
             grown = nbytes - entry[0]
@@ -109,10 +114,13 @@ class StorageTracker(TorchDispatchMode):
                 return
             # an out= op resized an existing storage
             entry[0] = nbytes
+            self.padding_bytes += (nbytes - raw) - entry[3]
+            entry[3] = nbytes - raw
             self._add(grown, entry[1], check)
             return
         ref = weakref.ref(st, self._finalizer(key))
-        self._live[key] = [nbytes, host, ref]
+        self._live[key] = [nbytes, host, ref, nbytes - raw]
+        self.padding_bytes += nbytes - raw
         self._add(nbytes, host, check)
 
     def _finalizer(self, key: int):
@@ -126,6 +134,7 @@ class StorageTracker(TorchDispatchMode):
                     tracker.host_bytes -= entry[0]
                 else:
                     tracker.device_bytes -= entry[0]
+                    tracker.padding_bytes -= entry[3] if len(entry) > 3 else 0  # subclasses book 3 fields
         return free
 
     def _add(self, nbytes: int, host: bool, check: bool) -> None:

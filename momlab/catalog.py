@@ -195,12 +195,17 @@ def size_step(model: str, dim: str) -> int:
 
 # -- model construction -------------------------------------------------------
 
-def make_model(model: str, size: dict) -> nn.Module:
-    """Build the transformers model for `model` at `size` (random weights, CPU, fp32)."""
+def make_model(model: str, size: dict, attention: str | None = None) -> nn.Module:
+    """Build the transformers model for `model` at `size` (random weights, CPU, fp32); `attention`
+    sets transformers' attn_implementation ("eager", "sdpa"; None: the model's default)."""
     if _given(model):
-        return model.make_model(size)
-    s = spec(model)
-    return _BUILDERS[s.family](s, size)
+        net = model.make_model(size)
+    else:
+        net = _BUILDERS[spec(model).family](spec(model), size)
+    if attention is not None:
+        # the attention modules read the shared config's choice at every forward
+        net.set_attn_implementation(attention)
+    return net
 
 
 def _bert(s: Spec, z: dict) -> nn.Module:

@@ -4,7 +4,8 @@
 ValueError names what is valid) and returns a frozen `Config`: the model
 resolved, its size with defaults filled in, the MOM parsed (`momlab.moms.Mom`),
 the device normalized, the budget in bytes, the parallel strategy split from
-its offload. measure, measure_distributed and the searches build on it; the
+its offload, the software stack resolved (`momlab.workload.stack`: the
+attention kernel a setup gives the model). measure, measure_distributed and the searches build on it; the
 layers below take its fields as they are and do not check or parse again.
 """
 
@@ -20,7 +21,7 @@ from momlab.errors import check_choice
 from momlab.moms import Mom, parse_mom
 from momlab.units import parse_bytes
 from momlab.usermodel import resolve
-from momlab.workload import PRECISIONS, check_batch_size
+from momlab.workload import PRECISIONS, Stack, check_batch_size, stack
 
 # the spellings `parallel` accepts; "+offload" only where weights are sharded
 PARALLEL = ("none", "ddp", "fsdp", "zero2", "fsdp+offload", "zero2+offload")
@@ -84,17 +85,21 @@ class Config:
     ranks: int = 1
     parallel: str = "none"  # the strategy: none, ddp, fsdp or zero2
     offload: bool = False
+    attention: str | None = None  # as resolved by the setup (`stack`); None: a model without attention
+    setup: str = "default"
 
     @classmethod
     def of(cls, model, mom="exact", *, batch_size: int, device: str = "cpu", budget=None, precision: str = "fp32",
            steps: int = 3, warmup: int = 1, seed: int = 0, ranks: int = 1, parallel: str = "none",
-           offload: bool = False, what: str = "measure", **size) -> Config:
+           offload: bool = False, attention: str | None = None, setup: str = "default", what: str = "measure",
+           **size) -> Config:
         """Check everything once; `what` names the caller in the errors that depend on it."""
         if isinstance(model, cls):
             return model
         model = resolve(model)
         catalog.spec(model)
         size = catalog.resolve_size(model, size)
+        st = stack(model, setup, attention)
         mom = parse_mom(mom)
         strategy, offload = parse_parallel(parallel, offload)
         check_batch_size(batch_size)
@@ -109,7 +114,13 @@ class Config:
                              f"rank (its plan is in options['ckpt_plan']) or use 'ckpt' on ranks")
         return cls(model=model, mom=mom, batch_size=batch_size, device=dev, precision=precision, size=size,
                    budget=None if budget is None else parse_bytes(budget), steps=_count("steps", steps),
-                   warmup=_count("warmup", warmup), seed=seed, ranks=ranks, parallel=strategy, offload=offload)
+                   warmup=_count("warmup", warmup), seed=seed, ranks=ranks, parallel=strategy, offload=offload,
+                   attention=st.attention, setup=st.setup)
+
+    @property
+    def stack(self) -> Stack:
+        """The software stack (`momlab.workload.Stack`) of this configuration."""
+        return stack(self.model, self.setup, self.attention)
 
     @property
     def distributed(self) -> bool:

@@ -371,7 +371,8 @@ class _Rank:
     def build(self) -> None:
         c = self.cfg
         w = build(c["model"], batch_size=c["batch_size"], mom=c["mom"], device=str(self.device),
-                  precision=c["precision"], seed=c["seed"], **c["size"])
+                  precision=c["precision"], seed=c["seed"], attention=c.get("attention"),
+                  setup=c.get("setup", "default"), **c["size"])
         self.w = parallelize(w, self.strategy, offload=self.offload)
         self.w.batch = self.batch  # Workload.step draws its batch through this
 
@@ -491,7 +492,7 @@ class _RankProbe:
 
     def __init__(self, rank: _Rank, live, host, bytes_of):
         self.r, self.live, self.host, self.bytes_of = rank, live, host, bytes_of
-        self.forward_live = self.forward_host = self.grads = self.comm = 0
+        self.forward_live = self.forward_host = self.grads = self.comm = self.forward_grads = 0
 
     def forward_end(self):
         r = self.r
@@ -508,6 +509,9 @@ class _RankProbe:
             # parameters still gathered after forward: the root's always (FSDP does not reshard
             # what backward needs first), every block's under zero2. They are all-gather outputs.
             self.comm = self.bytes_of([p for p in r.w.model.parameters() if not is_sharded(p)])
+        if r.strategy != "ddp":
+            # gradients zeroed in place (setup="paper") stay resident through forward: not activations
+            self.forward_grads = self.bytes_of(r.w.state_tensors()["grads"])
 
     def backward_end(self):
         self.grads = self.bytes_of(self.r.w.state_tensors()["grads"])
@@ -517,7 +521,7 @@ class _RankProbe:
         # not again as a communication buffer (see apply_ddp)
         ddp = self.r.strategy == "ddp"
         comm = 0 if ddp else self.comm
-        activation = max(0, self.forward_live - params - optimizer - self.comm)
+        activation = max(0, self.forward_live - params - optimizer - self.comm - self.forward_grads)
         workspace = max(0, peak - params - self.grads - optimizer - activation - comm)
         return dict(fits=True, peak_bytes=peak, params_bytes=params, grads_bytes=self.grads,
                     optimizer_bytes=optimizer, activation_bytes=activation, workspace_bytes=workspace,
@@ -763,9 +767,11 @@ def measure_ranks(config: Config, *, timeout_s: float = DEFAULT_TIMEOUT_S, _faul
     threads = threads_per_rank(c.ranks, dev)
     cfg = dict(model=c.model, mom=c.mom, ranks=c.ranks, strategy=c.parallel, offload=c.offload,
                batch_size=c.batch_size, device=dev.type, precision=c.precision, size=c.size, budget=c.budget,
-               steps=c.steps, warmup=c.warmup, seed=c.seed, threads=threads, fault=_fault)
+               steps=c.steps, warmup=c.warmup, seed=c.seed, threads=threads, fault=_fault,
+               attention=c.attention, setup=c.setup)
     base = dict(model=name_of(c.model), mom=c.mom, batch_size=c.batch_size, device=dev.type, precision=c.precision,
-                size=c.size, budget=c.budget, env={**environment(dev), "threads": threads})
+                size=c.size, budget=c.budget, attention=c.attention, setup=c.setup,
+                env={**environment(dev), "threads": threads})
     results, ooms = launch(cfg, timeout_s=float(timeout_s))
     options = {"ranks": c.ranks, "parallel": parallel_name(c.parallel, c.offload), "offload": c.offload,
                "global_batch_size": c.ranks * c.batch_size, "threads_per_rank": threads,

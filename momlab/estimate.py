@@ -17,10 +17,19 @@ dropout runs in one fused kernel (memory-efficient attention) that keeps
 only its output and log-sum-exp, while the CPU falls back to the math path
 that materializes the attention probabilities and dropout mask. For a GPU the
 trace runs sdpa as CUDA does, through that kernel's own meta implementation
-(`_cuda_sdpa`). Other CUDA-vs-CPU differences are
-not modelled: cuBLAS/cuDNN workspaces, the CUDA context, and (mixed precision)
-CUDA's autocast op lists, which keep layer norm and softmax in fp32 where the
-CPU lists traced here use bf16/fp16.
+(`_cuda_sdpa`); with eager attention (``attention="eager"``, the paper's
+setup) the model's own matmul-softmax-dropout-matmul runs and saves what it
+saves on any device. Mixed precision follows CUDA's autocast op lists, not the
+CPU's (`_CUDA_AUTOCAST`, from torch's documented "CUDA Ops that can autocast
+to float32 / float16"): softmax, log-softmax, layer norm, pow, exp, sums and
+the losses run in fp32 on CUDA where the CPU lists keep bf16/fp16. Each
+device allocation is counted rounded up to the caching allocator's 512-byte
+blocks; the cuBLAS workspace (allocated through the caching allocator, so in
+the allocator's peak) and the CUDA context (outside it, but taking device
+memory) are named fields of an `Estimate` (`CudaOverheads`). Not modelled:
+cuDNN's per-convolution workspaces and the caching allocator's
+fragmentation (reserved beyond allocated), so a real OOM comes somewhat
+before the predicted one.
 
 Memory is affine in batch size for a fixed graph, operation by operation:
 the live bytes after the i-th operation are ``a_i + b_i * batch``. Two
@@ -70,11 +79,12 @@ from momlab.gpus import get as get_gpu
 from momlab.accounting import StorageTracker, unique_storage_bytes
 from momlab import metrics, timemodel
 from momlab.errors import check_choice
+from momlab.moms import quant as _quant
 from momlab.record import StepRecord
 from momlab.units import format_bytes, parse_bytes
 from momlab.timemodel import Calibration, step_time
 from momlab.usermodel import name_of, resolve
-from momlab.workload import PRECISIONS, build, check_batch_size, parse_mom
+from momlab.workload import PRECISIONS, build, check_batch_size, parse_mom, stack
 
 aten = torch.ops.aten
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,6 +95,40 @@ ROOT = Path(__file__).resolve().parent.parent
 TRACE_BATCHES = (2, 4, 8, 16, 32)
 
 _LOCK = threading.RLock()  # traces change global state (dispatch modes, seeds): one at a time
+
+# PyTorch's CUDA caching allocator rounds every allocation up to 512 bytes (kMinBlockSize in
+# c10/cuda/CUDACachingAllocator.cpp; torch.cuda.memory_allocated counts the rounded sizes)
+ALLOCATOR_BLOCK = 512
+
+
+@dataclass(frozen=True)
+class CudaOverheads:
+    """Device memory a CUDA training process uses beyond its tensors, the same for every model.
+
+    ``cublas_workspace_bytes``: cuBLAS's workspace, allocated once per
+    handle and stream through the caching allocator (so inside the
+    allocator's peak): PyTorch's default ``CUBLAS_WORKSPACE_CONFIG``
+    ``:4096:2:16:8`` (2 x 4096 KiB + 8 x 16 KiB) before Hopper, and
+    ``:4096:8`` (8 x 4 MiB) from Hopper on (c10/cuda/CublasHandlePool.cpp).
+    ``context_bytes``: the CUDA context with the kernel images of PyTorch,
+    cuBLAS and cuDNN, outside the allocator, so device memory the allocator
+    cannot have. NVIDIA documents no figure; 512 MiB is the order of
+    magnitude reported for PyTorch processes with eager module loading, an
+    assumption until measured on the target (``torch.cuda.mem_get_info``
+    before and after the first CUDA call).
+    """
+
+    cublas_workspace_bytes: int
+    context_bytes: int
+
+
+def cuda_overheads(g: Gpu) -> CudaOverheads:
+    """The `CudaOverheads` of a GPU (none on the cpu target)."""
+    if g.kernels != "cuda":
+        return CudaOverheads(0, 0)
+    hopper = g.name.startswith(("H100", "H200"))  # sm90 gets the larger workspace
+    cublas = 8 * 4 * 2 ** 20 if hopper else 2 * 4096 * 1024 + 8 * 16 * 1024
+    return CudaOverheads(cublas, 512 * 2 ** 20)
 
 
 # -- tensors without data ------------------------------------------------------------------
@@ -162,6 +206,90 @@ def _cuda_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
                                                         scale=scale)[0]
 
 
+# CUDA autocast's op lists as torch documents them ("Autocast Op Reference", CUDA Op-Specific Behavior),
+# for the ops whose CUDA treatment differs from the CPU's lists (the matmuls and convolutions, on both
+# lower-precision lists, need nothing). fp32: inputs cast to float32.
+_CUDA_FP32 = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal",
+              "rsqrt", "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus",
+              "layer_norm", "native_layer_norm", "group_norm", "frobenius_norm.dim", "nuclear_norm",
+              "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
+              "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+              "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
+              "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm",
+              "logsumexp")
+# fp32 by an output dtype: a float input is reduced / normalized into a float32 result
+_CUDA_FP32_DTYPE = ("softmax.int", "log_softmax.int", "sum", "sum.dim_IntList", "prod", "prod.dim_int",
+                    "cumsum", "cumprod", "linalg_vector_norm")
+# lower precision on CUDA, on no CPU list
+_CUDA_LOWER = ("addmv", "addr", "mv", "chain_matmul", "linalg_multi_dot")
+# on the CPU's fp32 list but on none of CUDA's: CUDA decomposes it (its log_softmax then runs in fp32)
+_CUDA_DECOMPOSED = ("cross_entropy_loss",)
+_NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+
+def _cast(x, dtype):
+    if isinstance(x, torch.Tensor):
+        return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_cast(v, dtype) for v in x)
+    return x
+
+
+def _cast_kernel(op, lower: bool):
+    def kernel(*args, **kwargs):
+        dtype = torch.get_autocast_dtype("cpu") if lower else torch.float32
+        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+            return op(*_cast(args, dtype), **_cast(kwargs, dtype))
+    return kernel
+
+
+def _dtype_kernel(op):
+    names = [a.name for a in op._schema.arguments]
+    at = names.index("dtype")
+    kw_only = op._schema.arguments[at].kwarg_only
+
+    def kernel(*args, **kwargs):
+        args = list(args)
+        given = kwargs.get("dtype") if kw_only or len(args) <= at else args[at]
+        if given is None and args[0].is_floating_point():
+            if kw_only or len(args) <= at:
+                kwargs["dtype"] = torch.float32
+            else:
+                args[at] = torch.float32
+        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+            return op(*args, **kwargs)
+    return kernel
+
+
+def _cross_entropy(self, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+    """CUDA's cross entropy under autocast: its decomposition, each part through autocast."""
+    if label_smoothing or target.is_floating_point():  # composite paths momlab's models never take
+        with torch._C._ExcludeDispatchKeyGuard(_NO_AUTOCAST):
+            return aten.cross_entropy_loss(_cast(self, torch.float32), target, weight, reduction, ignore_index,
+                                           label_smoothing)
+    return aten.nll_loss_nd(aten.log_softmax.int(self, 1), target, weight, reduction, ignore_index)
+
+
+def _overload(name: str):
+    base, _, over = name.partition(".")
+    packet = getattr(aten, base)
+    return getattr(packet, over or "default")
+
+
+def _register_cuda_autocast(lib) -> None:
+    """CUDA's autocast lists at the CPU's autocast key: active only while a traced step runs under autocast
+    (the forward, and checkpointed blocks' recomputation, which restores it), and seen by autograd, which
+    sits below autocast, so backward saves the cast copies as on CUDA."""
+    for name in _CUDA_FP32:
+        lib.impl(name, _cast_kernel(_overload(name), lower=False), "AutocastCPU")
+    for name in _CUDA_FP32_DTYPE:
+        lib.impl(name, _dtype_kernel(_overload(name)), "AutocastCPU")
+    for name in _CUDA_LOWER:
+        lib.impl(name, _cast_kernel(_overload(name), lower=True), "AutocastCPU")
+    for name in _CUDA_DECOMPOSED:
+        lib.impl(name, _cross_entropy, "AutocastCPU")
+
+
 @contextmanager
 def _kernels(kernels: str, tracer=None):
     """While tracing for a GPU, `scaled_dot_product_attention` runs CUDA's kernel (`_cuda_sdpa`).
@@ -169,25 +297,33 @@ def _kernels(kernels: str, tracer=None):
     The CPU kernel choice is not an op a dispatch mode sees, and a torch
     function mode around sdpa is not active while backward recomputes a
     checkpointed block; overriding sdpa's composite kernel at the dispatcher
-    is seen by both. The override is process-wide while it lasts (`_LOCK`
-    keeps traces one at a time) and removed on exit. It also hands `tracer` to quant (`quant.TRACE_KERNEL`),
-    whose encode and decode are one compiled kernel each on CUDA.
+    is seen by both. CUDA's autocast lists replace the CPU's the same way
+    (`_register_cuda_autocast`), and quantization's chunk loops run folded
+    (`momlab.moms.quant.FOLD`) on any target. The overrides are process-wide
+    while they last (`_LOCK` keeps traces one at a time) and removed on exit.
+    It also hands `tracer` to quant (`quant.TRACE_KERNEL`), whose encode and
+    decode are one compiled kernel each on CUDA.
     """
+    quant = _quant
+    quant.FOLD = True
     if kernels != "cuda":
-        yield
+        try:
+            yield
+        finally:
+            quant.FOLD = False
         return
-    from momlab.moms import quant
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
         lib = torch.library.Library("aten", "IMPL")
         lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
+        _register_cuda_autocast(lib)
     quant.TRACE_KERNEL = tracer.kernel if tracer is not None else None
     try:
         yield
     finally:
         quant.TRACE_KERNEL = None
         lib._destroy()
+        quant.FOLD = False
 
 
 # number formats of an op's compute, as indices into a device's peak FLOP/s (see _peaks)
@@ -247,10 +383,12 @@ class _Tracer(StorageTracker):
         self.fake_mode = fake_mode
         self.kernels = kernels
         self.log = None
+        if kernels == "cuda":
+            self.granule = ALLOCATOR_BLOCK
 
     def start(self) -> None:
         self.log = {"live": [self.device_bytes], "flops": [], "extra": [], "bytes": [], "fmt": [], "op": [],
-                    "group": [], "group_bytes": []}
+                    "group": [], "group_bytes": [], "pad": [self.padding_bytes]}
         self.group = -1
 
     def stop(self) -> dict:
@@ -269,7 +407,8 @@ class _Tracer(StorageTracker):
         finally:
             gid, self.group = self.group, -1
         tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
-        self.log["group_bytes"][gid] = float(sum(map(_nbytes, tensors)))
+        # a folded quantization pass stands for `REPEAT` passes (momlab.moms.quant.FOLD)
+        self.log["group_bytes"][gid] = float(sum(map(_nbytes, tensors))) * _quant.REPEAT
         return out
 
     def _run(self, func, args, kwargs):
@@ -307,6 +446,8 @@ class _Tracer(StorageTracker):
         elif packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
             extra = sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
         moved = 0 if func in _NO_TRAFFIC else sum(map(_nbytes, flat_in)) + sum(map(_nbytes, flat_out))
+        if _quant.REPEAT != 1.0:  # one folded pass of a quantization loop stands for REPEAT of them
+            flops, moved = flops * _quant.REPEAT, moved * _quant.REPEAT
         fmt = FMT_FP32
         for t in flat_in:
             if t.is_floating_point():
@@ -319,6 +460,7 @@ class _Tracer(StorageTracker):
         log["fmt"].append(fmt)
         log["op"].append(_OP_IDS.setdefault(str(func), len(_OP_IDS)))
         log["group"].append(self.group)
+        log["pad"].append(self.padding_bytes)
         return out
 
 
@@ -343,14 +485,21 @@ class Probe:
     backward_ops: int = 0  # how many are forward's and backward's (the optimizer's follow)
     group: np.ndarray | None = None  # per op, the fused kernel it is part of (-1: none; see `_Tracer.kernel`)
     group_bytes: np.ndarray | None = None  # per fused kernel, the bytes it reads and writes
+    padding: np.ndarray | None = None  # allocator round-up bytes included in `live`, at the start and per op
+    forward_grads: int = 0  # gradients resident at the end of forward (zeroed in place, not freed)
 
     @property
     def peak_bytes(self) -> int:
         return int(self.live.max())
 
     @property
+    def rounding_bytes(self) -> int:
+        """Of `peak_bytes`, the allocator's round-up to whole blocks (`ALLOCATOR_BLOCK`) at the peak."""
+        return 0 if self.padding is None else int(self.padding[int(self.live.argmax())])
+
+    @property
     def activation_bytes(self) -> int:
-        return max(0, self.forward_live - self.params_bytes - self.optimizer_bytes)
+        return max(0, self.forward_live - self.params_bytes - self.optimizer_bytes - self.forward_grads)
 
     @property
     def workspace_bytes(self) -> int:
@@ -365,14 +514,15 @@ class Probe:
 class _Session:
     """A workload with fake weights, warmed up once, traced at any batch size."""
 
-    def __init__(self, model: str, mom: str, precision: str, size: dict, kernels: str, seed: int = 0):
+    def __init__(self, model: str, mom: str, precision: str, size: dict, kernels: str, seed: int = 0,
+                 attention: str | None = None, setup: str = "default"):
         self.kernels = kernels
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         t0 = time.perf_counter()
         with _LOCK:
             with fake_mode, _AssumeScalars():
                 self.w = build(model, batch_size=TRACE_BATCHES[0], mom=mom, device="cpu", precision=precision,
-                               seed=seed, **size)
+                               seed=seed, attention=attention, setup=setup, **size)
             if self.w.scaler is not None:
                 self.w.scaler = _FiniteScaler(self.w.scaler)
             self.tracer = _Tracer(fake_mode, kernels)
@@ -390,6 +540,7 @@ class _Session:
         def forward_end():
             state["live"], state["host"] = tracer.device_bytes, tracer.host_bytes
             state["fwd_ops"] = len(tracer.log["flops"])  # the time model overlaps swap copies per phase
+            state["fwd_grads"] = unique_storage_bytes(w.state_tensors()["grads"])
 
         def backward_end():
             state["grads"] = unique_storage_bytes(w.state_tensors()["grads"])
@@ -412,7 +563,8 @@ class _Session:
             np.asarray(log["flops"], dtype=np.float64), np.asarray(log["extra"], dtype=np.float64),
             np.asarray(log["bytes"], dtype=np.float64), np.asarray(log["fmt"], dtype=np.int8),
             np.asarray(log["op"], dtype=np.int32), time.perf_counter() - t0, state["fwd_ops"], state["bwd_ops"],
-            np.asarray(log["group"], dtype=np.int32), np.asarray(log["group_bytes"], dtype=np.float64))
+            np.asarray(log["group"], dtype=np.int32), np.asarray(log["group_bytes"], dtype=np.float64),
+            np.asarray(log["pad"], dtype=np.int64), state["fwd_grads"])
 
 
 # -- profiles: two traces, any batch ------------------------------------------------------
@@ -436,6 +588,8 @@ class Profile:
     direct: dict = field(default_factory=dict, repr=False)
     disk: Path | None = None  # the file the traces were read from; None: traced in this process
     _session: _Session | None = field(default=None, repr=False)
+    attention: str | None = None  # the software stack traced (`momlab.workload.stack`)
+    setup: str = "default"
 
     @property
     def aligned(self) -> bool:
@@ -445,7 +599,8 @@ class Profile:
     def session(self) -> _Session:
         """The workload that traced `lo` and `hi`; built now for traces read from disk (a direct trace)."""
         if self._session is None:
-            self._session = _Session(self.model, self.mom, self.precision, self.size, self.kernels)
+            self._session = _Session(self.model, self.mom, self.precision, self.size, self.kernels,
+                                     attention=self.attention, setup=self.setup)
         return self._session
 
     def _lerp(self, a, b, batch):
@@ -474,7 +629,10 @@ class Profile:
             np.maximum(0.0, lerp(lo.flops, hi.flops)), np.maximum(0.0, lerp(lo.extra_flops, hi.extra_flops)),
             np.maximum(0.0, lerp(lo.bytes, hi.bytes)), lo.fmt, lo.ops, forward_ops=lo.forward_ops,
             backward_ops=lo.backward_ops, group=lo.group,
-            group_bytes=None if lo.group_bytes is None else np.maximum(0.0, lerp(lo.group_bytes, hi.group_bytes)))
+            group_bytes=None if lo.group_bytes is None else np.maximum(0.0, lerp(lo.group_bytes, hi.group_bytes)),
+            padding=None if lo.padding is None else np.rint(lerp(lo.padding.astype(np.float64),
+                                                                 hi.padding.astype(np.float64))).astype(np.int64),
+            forward_grads=lo.forward_grads)
 
     def peak_bytes(self, batch_sizes) -> np.ndarray:
         """Predicted peak at each of `batch_sizes` (vectorized)."""
@@ -516,12 +674,15 @@ def _kernels_of(gpu: str) -> str:
     return get_gpu(gpu).kernels if gpu != "cpu" else "cpu"
 
 
-def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels: str = "cuda", **size) -> Profile:
-    """The cached two-batch trace of a configuration (`kernels`: "cuda" or "cpu").
+def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels: str = "cuda",
+            attention: str | None = None, setup: str = "default", **size) -> Profile:
+    """The cached two-batch trace of a configuration (`kernels`: "cuda" or "cpu"; `setup`, `attention`: the
+    software stack, `momlab.workload.stack`).
 
     `model` may also be a transformers config or a `momlab.UserModel`; their traces are kept in this
     process only (the disk cache's key knows momlab's source, not a user's code)."""
     model = resolve(model)
+    st = stack(model, setup, attention)
     size = catalog.resolve_size(model, size)
     mom = parse_mom(mom)
     if mom.has("ckpt-auto"):
@@ -529,15 +690,15 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
                          f"(momlab.measure); estimate 'exact' and 'ckpt', which bound it")
     check_choice("precision", precision, PRECISIONS)
     check_choice("kernels", kernels, ("cuda", "cpu"))
-    key = (model, mom, precision, tuple(sorted(size.items())), kernels)
+    key = (model, mom, precision, tuple(sorted(size.items())), kernels, st.attention, st.setup)
     with _LOCK:
         prof = _PROFILES.get(key)
         if prof is None:
-            disk = _disk_path(model, mom, precision, size, kernels) if isinstance(model, str) else None
+            disk = _disk_path(model, mom, precision, size, kernels, st) if isinstance(model, str) else None
             probes = _load(*disk) if disk is not None else None
             session = None
             if probes is None:
-                session = _Session(model, mom, precision, size, kernels)
+                session = _Session(model, mom, precision, size, kernels, attention=st.attention, setup=st.setup)
                 probes = [session.probe(TRACE_BATCHES[0])]
                 for b in TRACE_BATCHES[1:]:
                     probes.append(session.probe(b))
@@ -547,7 +708,7 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
                     _save(*disk, probes)
             direct = {p.batch_size: p for p in probes[:-2]}
             prof = Profile(model, mom, precision, size, kernels, probes[-2], probes[-1], direct,
-                           disk[0] if session is None else None, session)
+                           disk[0] if session is None else None, session, st.attention, st.setup)
             _PROFILES[key] = prof
     return prof
 
@@ -565,8 +726,8 @@ def clear_cache() -> None:
 TRACE_CACHE: Path | None = ROOT / "build" / "cache" / "traces"
 _DISK_FORMAT = 2
 _SCALARS = ("batch_size", "params_bytes", "optimizer_bytes", "grads_bytes", "forward_live", "forward_host",
-            "seconds", "forward_ops", "backward_ops")
-_ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops", "group", "group_bytes")
+            "seconds", "forward_ops", "backward_ops", "forward_grads")
+_ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops", "group", "group_bytes", "padding")
 
 
 # modules a trace never runs: the time model reads traces, validation and plots read estimates; gpus:
@@ -588,20 +749,21 @@ def _source_digest(package: Path) -> str:
 _SOURCE = _source_digest(Path(__file__).resolve().parent)
 
 
-def _disk_key(model: str, mom: str, precision: str, size: dict, kernels: str) -> dict:
+def _disk_key(model: str, mom: str, precision: str, size: dict, kernels: str, st) -> dict:
     """Everything a trace depends on: the configuration, the code that runs it (momlab's source, torch and
     transformers), the interpreter and the CPU architecture (the CPU's kernel choices)."""
     return {"format": _DISK_FORMAT, "model": model, "mom": mom, "precision": precision,
             "size": dict(sorted(size.items())), "kernels": kernels, "trace_batches": list(TRACE_BATCHES),
+            "attention": st.attention, "setup": st.setup,
             "momlab_source": _SOURCE, "torch": torch.__version__, "transformers": version("transformers"),
             "python": platform.python_version(), "machine": platform.machine()}
 
 
-def _disk_path(model: str, mom: str, precision: str, size: dict, kernels: str) -> tuple[Path, dict] | None:
+def _disk_path(model: str, mom: str, precision: str, size: dict, kernels: str, st) -> tuple[Path, dict] | None:
     """The file of a configuration's traces and the key it must hold; None when `TRACE_CACHE` is off."""
     if TRACE_CACHE is None:
         return None
-    key = _disk_key(model, mom, precision, size, kernels)
+    key = _disk_key(model, mom, precision, size, kernels, st)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return Path(TRACE_CACHE) / f"{model}-{mom}-{precision}-{kernels}-{digest}.npz", key
 
@@ -666,11 +828,18 @@ class Estimate(StepRecord):
     ``throughput`` is ``batch_size / step_time_s``, NaN when it does not fit.
     ``flops`` as torch's FlopCounterMode counts them on the target's kernels
     (on `cpu`, attention is not counted: torch's counter does not see the CPU
-    attention kernel). ``calibrated``: the efficiency was fitted from
-    measurements of this device (``calibration``: from what;
-    ``calibration_error``: the fit's median relative error on its records,
-    ``calibration_records``: which). ``interpolated``: the batch was read off
-    two traces rather than traced itself.
+    attention kernel). ``attention`` and ``setup``: the software stack traced
+    (`momlab.workload.stack`). Memory outside tensors: ``peak_bytes`` and
+    ``workspace_bytes`` include ``cublas_workspace_bytes`` (allocated through
+    the caching allocator, as the allocator's peak counts it) and
+    ``rounding_bytes`` (the allocator's 512-byte round-up at the peak);
+    ``context_bytes`` (the CUDA context, outside the allocator) is taken off
+    the GPU's memory to give ``capacity_bytes`` unless a budget replaces it
+    (a budget caps the allocator, as `measure`'s does). ``calibrated``: the
+    efficiency was fitted from measurements of this device (``calibration``:
+    from what; ``calibration_error``: the fit's median relative error on its
+    records, ``calibration_records``: which). ``interpolated``: the batch was
+    read off two traces rather than traced itself.
     """
 
     gpu: str
@@ -685,6 +854,11 @@ class Estimate(StepRecord):
     calibration: str = ""
     calibration_error: float = math.nan  # median relative error of the calibration's fit on its records
     calibration_records: tuple = ()  # the measured configurations the calibration was fitted on
+    attention: str | None = None
+    setup: str = "default"
+    cublas_workspace_bytes: int = 0
+    context_bytes: int = 0
+    rounding_bytes: int = 0
 
     @property
     def device(self) -> str:
@@ -717,75 +891,91 @@ def _check_gpu_precision(g: Gpu, precision: str, tf32: bool) -> None:
 
 
 def _capacity(g: Gpu, budget) -> int:
-    return g.memory_bytes if budget is None else parse_bytes(budget)
+    """Bytes the allocator may hold: a budget, else the GPU's memory less the CUDA context."""
+    return g.memory_bytes - cuda_overheads(g).context_bytes if budget is None else parse_bytes(budget)
 
 
-def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kernels, interpolated, tf32):
+def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kernels, interpolated, tf32,
+                prof: Profile):
     t = step_time(p, g, cal, tf32=tf32)
-    fits = p.peak_bytes <= capacity
+    over = cuda_overheads(g)
+    peak = p.peak_bytes + over.cublas_workspace_bytes
+    fits = peak <= capacity
     flops = float(p.flops.sum()) + (float(p.extra_flops.sum()) if kernels == "cuda" else 0.0)
     return Estimate(
         model=name_of(model), mom=mom, batch_size=p.batch_size, precision=precision, size=dict(size), gpu=g.name,
-        fits=fits, peak_bytes=p.peak_bytes, params_bytes=p.params_bytes, grads_bytes=p.grads_bytes,
+        fits=fits, peak_bytes=peak, params_bytes=p.params_bytes, grads_bytes=p.grads_bytes,
         optimizer_bytes=p.optimizer_bytes, activation_bytes=p.activation_bytes,
-        workspace_bytes=p.workspace_bytes, host_bytes=p.host_bytes, step_time_s=t.step_time_s,
+        workspace_bytes=p.workspace_bytes + over.cublas_workspace_bytes, host_bytes=p.host_bytes,
+        step_time_s=t.step_time_s,
         throughput=p.batch_size / t.step_time_s if fits else math.nan, flops=int(round(flops)),
         calibrated=cal.calibrated, capacity_bytes=capacity, efficiency=cal.efficiency,
         bytes_moved=int(p.bytes.sum()), kernels=kernels, interpolated=interpolated,
         time={k: v for k, v in asdict(t).items() if k != "step_time_s"}, calibration=cal.source,
-        calibration_error=cal.error, calibration_records=tuple(cal.fitted_on))
+        calibration_error=cal.error, calibration_records=tuple(cal.fitted_on),
+        attention=prof.attention, setup=prof.setup, cublas_workspace_bytes=over.cublas_workspace_bytes,
+        context_bytes=over.context_bytes, rounding_bytes=p.rounding_bytes)
 
 
-def _prepare(model, mom, gpu, precision, tf32, size):
+def _prepare(model, mom, gpu, precision, tf32, size, attention=None, setup="default"):
     g = get_gpu(gpu)
     check_choice("precision", precision, PRECISIONS)
     _check_gpu_precision(g, precision, tf32)
-    prof = profile(model, mom, precision=precision, kernels=g.kernels, **size)
+    prof = profile(model, mom, precision=precision, kernels=g.kernels, attention=attention, setup=setup, **size)
     return g, prof
 
 
+def _max_batch(g: Gpu, prof: Profile, budget) -> int:
+    """Largest batch whose traced peak plus the cuBLAS workspace fits the allocator's capacity."""
+    return prof.max_batch_size(_capacity(g, budget) - cuda_overheads(g).cublas_workspace_bytes)
+
+
 def estimate(model: str, mom: str = "exact", *, batch_size: int, gpu: str, precision: str = "fp32",
-             budget=None, tf32: bool = False, trace: bool = False, results=None, **size) -> Estimate:
+             budget=None, tf32: bool = False, trace: bool = False, results=None, attention: str | None = None,
+             setup: str = "default", **size) -> Estimate:
     """Predict one training configuration on `gpu` (a name from `momlab.gpus()`).
 
     `budget` replaces the GPU's memory as the capacity `fits` is judged
     against (bytes or "2GiB"); `tf32` runs fp32 matmuls on tf32 tensor cores
     (``torch.backends.cuda.matmul.allow_tf32``); `trace` traces this batch
     size rather than reading it off the cached pair of traces; `results`
-    where measured records for calibration are (default results/*.jsonl).
+    where measured records for calibration are (default results/*.jsonl);
+    `setup` and `attention` the software stack (`momlab.workload.stack`).
 
     >>> e = estimate("bert-large", "ckpt", batch_size=256, gpu="A100-40")  # doctest: +SKIP
     >>> e.fits, format_bytes(e.peak_bytes), round(e.throughput)            # doctest: +SKIP
     """
     check_batch_size(batch_size)
-    g, prof = _prepare(model, mom, gpu, precision, tf32, size)
+    g, prof = _prepare(model, mom, gpu, precision, tf32, size, attention, setup)
     cal = calibrate(gpu, results=results)
     p = prof.at(batch_size, trace=trace)
     interpolated = p is not prof.lo and p is not prof.hi and batch_size not in prof.direct
     return _from_probe(p, model=model, mom=prof.mom, precision=precision, size=prof.size, g=g, cal=cal,
-                       capacity=_capacity(g, budget), kernels=g.kernels, interpolated=interpolated, tf32=tf32)
+                       capacity=_capacity(g, budget), kernels=g.kernels, interpolated=interpolated, tf32=tf32,
+                       prof=prof)
 
 
 def predict_max_batch(model: str, mom: str = "exact", *, gpu: str, precision: str = "fp32", budget=None,
-                      **size) -> int:
+                      attention: str | None = None, setup: str = "default", **size) -> int:
     """Largest batch size whose predicted peak fits `gpu`'s memory (or `budget`); 0 when none does.
 
     Exact under the affine model (the closed form of the module docstring).
 
     >>> predict_max_batch("bert-large", "ckpt", gpu="A100-40")  # doctest: +SKIP
     """
-    g, prof = _prepare(model, mom, gpu, precision, False, size)
-    return prof.max_batch_size(_capacity(g, budget))
+    g, prof = _prepare(model, mom, gpu, precision, False, size, attention, setup)
+    return _max_batch(g, prof, budget)
 
 
 def throughput_curve(model: str, mom: str = "exact", *, gpu: str, batch_sizes, precision: str = "fp32",
-                     budget=None, tf32: bool = False, results=None, **size) -> list[Estimate]:
+                     budget=None, tf32: bool = False, results=None, attention: str | None = None,
+                     setup: str = "default", **size) -> list[Estimate]:
     """Estimates at each of `batch_sizes` from one pair of traces (no tracing per point)."""
-    g, prof = _prepare(model, mom, gpu, precision, tf32, size)
+    g, prof = _prepare(model, mom, gpu, precision, tf32, size, attention, setup)
     cal = calibrate(gpu, results=results)
     cap = _capacity(g, budget)
     return [_from_probe(prof.at(int(b)), model=model, mom=prof.mom, precision=precision, size=prof.size, g=g,
-                        cal=cal, capacity=cap, kernels=g.kernels, interpolated=True, tf32=tf32)
+                        cal=cal, capacity=cap, kernels=g.kernels, interpolated=True, tf32=tf32, prof=prof)
             for b in batch_sizes]
 
 
@@ -798,21 +988,24 @@ def batch_grid(max_batch: int, points: int = 24) -> list[int]:
 
 
 def best_throughput(model: str, mom: str = "exact", *, gpu: str, precision: str = "fp32", budget=None,
-                    tf32: bool = False, results=None, max_batch: int | None = None, **size) -> Estimate | None:
+                    tf32: bool = False, results=None, max_batch: int | None = None, attention: str | None = None,
+                    setup: str = "default", **size) -> Estimate | None:
     """The fastest configuration (samples/s) among batches that fit; None when none fits (scenario S1)."""
+    stack_kw = {"attention": attention, "setup": setup}
     if max_batch is None:
-        max_batch = predict_max_batch(model, mom, gpu=gpu, precision=precision, budget=budget, **size)
+        max_batch = predict_max_batch(model, mom, gpu=gpu, precision=precision, budget=budget, **stack_kw, **size)
     grid = batch_grid(max_batch)
     if not grid:
         return None
     curve = throughput_curve(model, mom, gpu=gpu, batch_sizes=grid, precision=precision, budget=budget,
-                             tf32=tf32, results=results, **size)
+                             tf32=tf32, results=results, **stack_kw, **size)
     fitting = [e for e in curve if e.fits]
     return max(fitting, key=lambda e: e.throughput) if fitting else None
 
 
 def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers", batch_size: int, gpu: str,
-                     precision: str = "fp32", budget=None, limit: int | None = None, **size) -> int:
+                     precision: str = "fp32", budget=None, limit: int | None = None, attention: str | None = None,
+                     setup: str = "default", **size) -> int:
     """Largest value of size keyword `dim` (on its grid) that fits at `batch_size` (scenario S2); 0: none.
 
     Each trial is a trace at that size; the first guess comes from a
@@ -833,8 +1026,11 @@ def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers",
     cap = _capacity(g, budget)
     step = size_step(model, dim, **size)
 
+    cap -= cuda_overheads(g).cublas_workspace_bytes
+
     def peak(value: int) -> int:
-        prof = profile(model, mom, precision=precision, kernels=g.kernels, **{**size, dim: value})
+        prof = profile(model, mom, precision=precision, kernels=g.kernels, attention=attention, setup=setup,
+                       **{**size, dim: value})
         return prof.at(batch_size).peak_bytes
 
     default = full[dim] // step * step or step
@@ -861,7 +1057,8 @@ def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers",
 
 
 def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_size: int | None = None,
-            dim: str | None = None, budget=None, results=None, **size) -> dict:
+            dim: str | None = None, budget=None, results=None, attention: str | None = None,
+            setup: str = "default", **size) -> dict:
     """Which MOM wins on `gpu`: S1 (highest throughput at its best batch), and with `dim`, S2.
 
     S1, for each MOM: the largest batch that fits, the batch with the highest
@@ -882,14 +1079,13 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
     rows, text, curves = [], [], []
     for mom in moms:
         try:
-            g, prof = _prepare(model, mom, gpu, precision, False, size)
+            g, prof = _prepare(model, mom, gpu, precision, False, size, attention, setup)
         except ValueError as exc:  # a MOM that does not apply to this model (ckpt-selective on a ResNet)
             rows.append({"mom": mom, "applicable": False, "reason": str(exc).splitlines()[0]})
             continue
-        cap = _capacity(g, budget)
-        mb = prof.max_batch_size(cap)
+        mb = _max_batch(g, prof, budget)
         curve = throughput_curve(model, mom, gpu=gpu, batch_sizes=s1_grid(mb), precision=precision, budget=budget,
-                                 results=results, **size)
+                                 results=results, attention=attention, setup=setup, **size)
         curves += curve
         fitting = [e for e in curve if e.fits]
         best = max(fitting, key=lambda e: e.throughput) if fitting else None
@@ -900,7 +1096,7 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
                "calibrated": calibrate(gpu, results=results).calibrated}
         if batch_size is not None:
             e = estimate(model, mom, batch_size=batch_size, gpu=gpu, precision=precision, budget=budget,
-                         results=results, **size)
+                         results=results, attention=attention, setup=setup, **size)
             row.update(at_batch=batch_size, fits_at_batch=e.fits, peak_at_batch=e.peak_bytes,
                        throughput_at_batch=e.throughput, step_time_at_batch=e.step_time_s)
         rows.append(row)
@@ -926,7 +1122,7 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
         for r in rows:
             if r.get("applicable"):
                 v = predict_max_size(model, r["mom"], dim=dim, batch_size=batch_size, gpu=gpu, precision=precision,
-                                     budget=budget, **size)
+                                     budget=budget, attention=attention, setup=setup, **size)
                 s2rows.append({"mom": r["mom"], dim: v})
         base = next((r[dim] for r in s2rows if r["mom"] == "exact"), 0)
         best = max(s2rows, key=lambda r: r[dim]) if s2rows else None

@@ -45,12 +45,14 @@ class _Probe:
 
     def __init__(self, live, host, workload: Workload):
         self.live, self.host, self.w = live, host, workload
-        self.forward_live = self.forward_host = self.grads_bytes = 0
+        self.forward_live = self.forward_host = self.grads_bytes = self.forward_grads = 0
         self.allocator: dict | None = None  # CUDA: the allocator's peaks of this step (`CudaMemory.peaks`)
 
     def forward_end(self):
         self.forward_live = self.live()
         self.forward_host = self.host()
+        # gradients zeroed in place (not freed) are resident through forward: not activations
+        self.forward_grads = unique_storage_bytes(self.w.state_tensors()["grads"])
 
     def backward_end(self):
         self.grads_bytes = unique_storage_bytes(self.w.state_tensors()["grads"])
@@ -58,7 +60,7 @@ class _Probe:
 
 def measure(model: str, mom: str = "exact", *, batch_size: int, device: str = "cpu", budget=None,
             precision: str = "fp32", steps: int = 3, warmup: int = 1, seed: int = 0, ranks: int = 1,
-            parallel: str = "none", **size) -> Measurement:
+            parallel: str = "none", attention: str | None = None, setup: str = "default", **size) -> Measurement:
     """Measure one training configuration; see the module docstring and `Measurement`.
 
     `model`: a catalog name, a transformers config, or a `momlab.UserModel`
@@ -76,13 +78,14 @@ def measure(model: str, mom: str = "exact", *, batch_size: int, device: str = "c
     (True, True)
     """
     c = Config.of(model, mom, batch_size=batch_size, device=device, budget=budget, precision=precision, steps=steps,
-                  warmup=warmup, seed=seed, ranks=ranks, parallel=parallel, **size)
+                  warmup=warmup, seed=seed, ranks=ranks, parallel=parallel, attention=attention,
+                  setup=setup, **size)
     if c.distributed:
         return measure_ranks(c)
     dev = c.device
     # base["model"] is the resolved model (build takes it); records name it (_record)
     base = dict(model=c.model, mom=c.mom, batch_size=c.batch_size, device=dev.type, precision=c.precision,
-                size=c.size, budget=c.budget, env=environment(dev))
+                size=c.size, budget=c.budget, attention=c.attention, setup=c.setup, env=environment(dev))
     gc.collect()
     if dev.type == "cuda":
         return _measure_cuda(base, dev, c.budget, c.steps, c.warmup, c.seed)
@@ -107,7 +110,7 @@ def _breakdown(base, w: Workload, peak: int, bytes_of, probe: _Probe, flops: int
     params = bytes_of(state["params"])
     optimizer = bytes_of(state["optimizer"])
     grads = probe.grads_bytes
-    activation = max(0, probe.forward_live - params - optimizer)
+    activation = max(0, probe.forward_live - params - optimizer - probe.forward_grads)
     workspace = max(0, peak - params - grads - optimizer - activation)
     step_time = statistics.median(times)
     return Measurement(
@@ -291,7 +294,8 @@ def _measure_emulated(base, dev, budget, steps, warmup, seed) -> Measurement:
     w = None
     try:
         w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
-                  precision=base["precision"], seed=seed, **base["size"])
+                  precision=base["precision"], seed=seed, attention=base["attention"],
+                  setup=base["setup"], **base["size"])
         with tracker:
             tracker.track(w.state_tensors()["params"])
             tracker.check_budget()
@@ -326,7 +330,8 @@ def _measure_cuda(base, dev, budget, steps, warmup, seed) -> Measurement:
     try:
         with mem.capped():
             w = build(base["model"], batch_size=base["batch_size"], mom=base["mom"], device=dev.type,
-                      precision=base["precision"], seed=seed, **base["size"])
+                      precision=base["precision"], seed=seed, attention=base["attention"],
+                      setup=base["setup"], **base["size"])
             # a tracker on the host side counts what a MOM keeps in host memory (swap), bounded by the host
             host = StorageTracker(devices=("cpu",), host_budget=host_limit())
             with host:

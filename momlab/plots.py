@@ -749,6 +749,44 @@ def predicted_depth(depth: pd.DataFrame, *, pred_crossing: float = math.nan, pap
     return fig
 
 
+def prediction_scatter(table: pd.DataFrame, *, title: str | None = "Predicted vs measured maximum batch",
+                       band: float = 0.15) -> Figure:
+    """One point per row of `momlab.validation.max_batch_table`: the paper's comparison point (x) against
+    the predicted maximum batch (y), log-log, the diagonal and a +-`band` band drawn. Rows the paper ran
+    with another system, or gave only a lower bound, are hollow; rows with no paper data are not drawn."""
+    fig = Figure(figsize=(5.6, 4.8), layout="constrained")
+    ax = fig.add_subplot()
+    rows = table[table["paper_point"].notna() & table["predicted_max_batch"].notna()]
+    models = list(dict.fromkeys(rows["model"]))
+    for i, model in enumerate(models):
+        g = rows[rows["model"] == model]
+        solid = g["comparable"] & ~g["note"].str.contains("lower bound")
+        color = _CB[i % len(_CB)]
+        ax.scatter(g.loc[solid, "paper_point"], g.loc[solid, "predicted_max_batch"].astype(float), color=color,
+                   label=model, s=36, zorder=3)
+        ax.scatter(g.loc[~solid, "paper_point"], g.loc[~solid, "predicted_max_batch"].astype(float),
+                   facecolors="none", edgecolors=color, s=36, zorder=3)
+        for _, r in g.iterrows():
+            ax.annotate(r["mom"], (r["paper_point"], float(r["predicted_max_batch"])), fontsize=6,
+                        xytext=(3, 2), textcoords="offset points")
+    if len(rows):
+        lo = min(rows["paper_point"].min(), rows["predicted_max_batch"].astype(float).min()) / 1.5
+        hi = max(rows["paper_point"].max(), rows["predicted_max_batch"].astype(float).max()) * 1.5
+        xs = np.geomspace(max(lo, 0.5), hi, 50)
+        ax.plot(xs, xs, color=EXACT_COLOR, lw=1, label="predicted = measured")
+        ax.fill_between(xs, xs * (1 - band), xs * (1 + band), color="0.85", zorder=0,
+                        label=f"within {band:.0%}")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+    ax.set_xlabel("paper, one V100: maximum batch (midpoint of last fit and first OOM)")
+    ax.set_ylabel("momlab, predicted (not measured)")
+    ax.legend(fontsize=7, loc="upper left")
+    ax.text(0.99, 0.01, "hollow: another system in the paper, or a lower bound", transform=ax.transAxes,
+            ha="right", va="bottom", fontsize=6)
+    _title(fig, title, "predicted with the paper's software stack; measured: the paper's V100 runs")
+    return fig
+
+
 def save(fig: Figure, path_without_ext: str | Path) -> list[Path]:
     """Write ``<path>.png`` (150 dpi) and ``<path>.pdf``; return both paths."""
     base = Path(path_without_ext)
@@ -760,7 +798,8 @@ def save(fig: Figure, path_without_ext: str | Path) -> list[Path]:
 
 
 __all__ = ["MOM_STYLE", "mom_style", "describe", "memory_breakdown", "batch_curves",
-           "largest_model", "size_curves", "gpu_count", "compare_table", "gradient_error", "loss_curves", "save"]
+           "largest_model", "size_curves", "gpu_count", "compare_table", "gradient_error", "loss_curves",
+           "prediction_scatter", "save"]
 
 
 def predicted_throughput(df: pd.DataFrame, *, title: str | None = None) -> Figure:

@@ -72,6 +72,10 @@ class Measurement(StepRecord):
     ``options["cuda_memory"]`` adds the bytes held outside the allocator (the
     CUDA context), the allocator configuration and pinned host memory.
 
+    ``attention``: the attention kernel (transformers' attn_implementation,
+    "eager" or "sdpa"; None for models without attention); ``setup``: the
+    named software stack it came from ("default", "paper": `momlab.workload.stack`).
+
     ``fits`` is False when the step ran out of memory (a real device OOM or the
     budget exceeded); then memory fields hold what was known at the failure
     (``peak_bytes`` the allocation that failed) and timings are NaN.
@@ -79,6 +83,8 @@ class Measurement(StepRecord):
 
     device: str
     budget: int | None = None
+    attention: str | None = None
+    setup: str = "default"
     # how the memory figure was obtained: "cuda", "cpu-emulated", "predicted"
     memory_source: str = "cpu-emulated"
     step_times_s: tuple = ()

@@ -41,10 +41,14 @@ from pathlib import Path
 
 from momlab.moms import parse_mom
 from momlab.units import parse_bytes
+from momlab.workload import STACK_DEFAULTS
 
 # What changes a measurement, and so separates otherwise equal configurations.
 FINGERPRINT_KEYS = ("device", "device_name", "cpu", "gpu", "threads", "torch", "transformers")
 PARAM_KEYS = ("model", "mom", "batch_size", "device", "precision", "size", "budget", "steps", "warmup", "seed")
+# settings added later, with their defaults: part of the key only when not the default, so the keys of
+# records stored before them stay what they were (a resumed sweep still skips them)
+OPTIONAL_PARAMS = dict(STACK_DEFAULTS)
 _FLATTEN = ("size", "env")
 
 
@@ -77,6 +81,9 @@ def canonical_params(params: dict) -> dict:
     p["mom"] = str(parse_mom(p["mom"]))  # quant4+ckpt == ckpt+quant4 (API.md)
     p["budget"] = None if p["budget"] is None else parse_bytes(p["budget"])
     p["size"] = {k: p["size"][k] for k in sorted(p["size"] or {})}
+    for k, default in OPTIONAL_PARAMS.items():
+        if params.get(k, default) != default:
+            p[k] = params[k]
     return p
 
 

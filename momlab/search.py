@@ -44,6 +44,7 @@ from momlab.catalog import SIZE_KEYWORDS
 from momlab.moms import parse_mom
 from momlab.record import Measurement
 from momlab.usermodel import resolve
+from momlab.workload import STACK_DEFAULTS
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,11 @@ def _ranks(ranks: int, parallel: str) -> dict:
     return {} if ranks == 1 and parallel == "none" else dict(ranks=ranks, parallel=parallel)
 
 
+def _stack(attention, setup: str) -> dict:
+    """The software-stack settings a trial passes on: none for the default stack (any `measure_fn` takes that)."""
+    return {k: v for k, v in (("attention", attention), ("setup", setup)) if v != STACK_DEFAULTS[k]}
+
+
 def _check_budget(budget, device) -> None:
     if budget is None and str(device).split(":")[0] == "cpu":
         raise ValueError("a search on cpu needs a budget (the emulated device has no capacity of its own), "
@@ -295,7 +301,8 @@ def _check_budget(budget, device) -> None:
 def max_batch_size(model: str, mom: str = "exact", *, budget, device: str = "cpu", precision: str = "fp32",
                    step: int = 1, start: int | None = None, limit: int | None = None, steps: int = 1,
                    warmup: int = 1, seed: int = 0, fresh_process: bool = False, measure_fn=None,
-                   ranks: int = 1, parallel: str = "none", **size) -> Search:
+                   ranks: int = 1, parallel: str = "none", attention: str | None = None, setup: str = "default",
+                   **size) -> Search:
     """Largest batch size (a multiple of `step`) whose training step fits `budget` on `device`.
 
     `model`: a catalog name, a transformers config or a `momlab.UserModel`
@@ -305,7 +312,8 @@ def max_batch_size(model: str, mom: str = "exact", *, budget, device: str = "cpu
     None means the whole device). `size` keywords fix the model size.
     `measure_fn` replaces `momlab.measure.measure` (tests, caching).
     `ranks` and `parallel` run every trial on that many ranks (`measure`'s);
-    the batch is then per rank and `budget` per rank.
+    the batch is then per rank and `budget` per rank. `attention` and `setup`
+    pick the software stack of every trial (`momlab.workload.stack`).
 
     >>> s = max_batch_size("bert-base", "ckpt", budget="64MiB", **tiny("bert-base"))  # doctest: +SKIP
     >>> s.best.fits, s.failure.fits, s.first_failure == s.value + 1  # doctest: +SKIP
@@ -316,7 +324,7 @@ def max_batch_size(model: str, mom: str = "exact", *, budget, device: str = "cpu
     if "batch_size" in size:
         raise ValueError("max_batch_size searches batch_size; do not pass it")
     fixed = dict(model=model, mom=mom, device=device, budget=budget, precision=precision, steps=steps,
-                 warmup=warmup, seed=seed, **_ranks(ranks, parallel), **size)
+                 warmup=warmup, seed=seed, **_ranks(ranks, parallel), **_stack(attention, setup), **size)
     s = find_max(_trial_function(measure_fn, fresh_process, fixed, "batch_size"), step=step, start=start,
                  limit=limit, dim="batch_size")
     s.config = fixed
@@ -327,12 +335,12 @@ def max_model_size(model: str, mom: str = "exact", *, dim: str, batch_size: int,
                    precision: str = "fp32", step: int | None = None, start: int | None = None,
                    limit: int | None = None, steps: int = 1, warmup: int = 1, seed: int = 0,
                    fresh_process: bool = False, measure_fn=None, ranks: int = 1, parallel: str = "none",
-                   **size) -> Search:
+                   attention: str | None = None, setup: str = "default", **size) -> Search:
     """Largest value of size keyword `dim` (on its natural grid) that fits at `batch_size`.
 
     The grid step defaults to `size_step(model, dim, **size)` (e.g. the head
     count for hidden_size); other size keywords stay as given or default.
-    `ranks` and `parallel` as in `max_batch_size`.
+    `ranks`, `parallel`, `attention` and `setup` as in `max_batch_size`.
 
     >>> s = max_model_size("bert-base", dim="num_layers", batch_size=24, budget="16GiB")  # doctest: +SKIP
     """
@@ -344,7 +352,8 @@ def max_model_size(model: str, mom: str = "exact", *, dim: str, batch_size: int,
     model, mom = _resolve(model, measure_fn), parse_mom(mom)  # parsed once: every trial takes them as they are
     step = size_step(model, dim, **size) if step is None else step
     fixed = dict(model=model, mom=mom, batch_size=batch_size, device=device, budget=budget, precision=precision,
-                 steps=steps, warmup=warmup, seed=seed, **_ranks(ranks, parallel), **size)
+                 steps=steps, warmup=warmup, seed=seed, **_ranks(ranks, parallel), **_stack(attention, setup),
+                 **size)
     s = find_max(_trial_function(measure_fn, fresh_process, fixed, dim), step=step, start=start, limit=limit,
                  dim=dim)
     s.config = fixed

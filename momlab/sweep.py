@@ -49,11 +49,13 @@ from pathlib import Path
 
 from momlab import catalog, distributed
 from momlab.record import Measurement
-from momlab.results import PARAM_KEYS, Store, compact, config_key, environment, make_record, shards_dir, to_frame
+from momlab.results import (OPTIONAL_PARAMS, PARAM_KEYS, Store, compact, config_key, environment, make_record,
+                            shards_dir, to_frame)
 from momlab.search import (SIZE_KEYWORDS, Search, max_batch_size, max_model_size, measure_in_fresh_process,
                            resolve_measure)
 from momlab.units import parse_bytes
-from momlab.workload import parse_mom
+from momlab.errors import check_choice
+from momlab.workload import ATTENTIONS, SETUPS, parse_mom, stack
 
 # The keys of a parameter file, each a keyword of `sweep`, with what it means.
 FILE_KEYS = {
@@ -73,6 +75,8 @@ FILE_KEYS = {
     "seed": "seed of weights and synthetic batches (default 0)",
     "search_steps": "timed steps per search trial (default 1: only whether it fits matters)",
     "fresh_process": "measure each configuration in a new process (default false)",
+    "setup": "software stack: 'default' (today's) or 'paper' (the paper's own per model; momlab.workload.stack)",
+    "attention": "attention kernel of transformers models: eager or sdpa (default: the setup's)",
 }
 REQUIRED_FILE_KEYS = ("models",)
 
@@ -139,7 +143,7 @@ class _Runner:
         return claim(self.claims, "point-" + key, self.worker)
 
     def _measure(self, params: dict) -> Measurement:
-        kwargs = {k: v for k, v in params.items() if k != "size"}
+        kwargs = {k: v for k, v in params.items() if k != "size"}  # optional stack settings included
         kwargs.update(params["size"])
         return measure_in_fresh_process(self.fn, **kwargs) if self.fresh else self.fn(**kwargs)
 
@@ -168,6 +172,7 @@ class _Runner:
 
         def measure(**kwargs) -> Measurement:
             params = {k: kwargs.pop(k) for k in PARAM_KEYS if k != "size"}
+            params.update({k: kwargs.pop(k) for k in OPTIONAL_PARAMS if k in kwargs})
             params["size"] = kwargs
             key = config_key(params, self.env)
             rec = self.trials.get(key)
@@ -252,7 +257,7 @@ class SweepIncomplete(RuntimeError):
 
 
 def _plan(models, moms, batch_sizes, budgets, device, precisions, size, sizes, steps, warmup, seed, batch_step,
-          search_steps) -> list[dict]:
+          search_steps, stack_kw=None) -> list[dict]:
     """The sweep's configurations in plan order, each a unit of work: a scan (and its search, if any)."""
     sizes = sizes or {}
     listed = [(dim, v) for dim, values in sizes.items() if values != "auto" for v in values]
@@ -266,7 +271,7 @@ def _plan(models, moms, batch_sizes, budgets, device, precisions, size, sizes, s
             for bud in budgets:
                 for mom in moms:
                     base = dict(model=model, mom=mom, device=device, precision=prec, budget=bud, steps=steps,
-                                warmup=warmup, seed=seed)
+                                warmup=warmup, seed=seed, **(stack_kw or {}))
                     for scan, sz in scans:
                         units.append(dict(base=base, scan=scan, size=sz, batch_sizes=batch_sizes,
                                           batch_step=batch_step, search_steps=search_steps))
@@ -282,7 +287,8 @@ def _run_unit(runner: _Runner, unit: dict, grow=lambda n: None) -> None:
     """Search (if the unit asks) and measure one configuration's points into `runner`'s stores."""
     base, scan, sz = unit["base"], unit["scan"], unit["size"]
     search = dict(budget=base["budget"], device=base["device"], precision=base["precision"],
-                  steps=unit["search_steps"], warmup=base["warmup"], seed=base["seed"])
+                  steps=unit["search_steps"], warmup=base["warmup"], seed=base["seed"],
+                  **{k: base[k] for k in OPTIONAL_PARAMS if k in base})
     if "search_dim" in unit:
         b = unit["batch_sizes"][0]
         s = max_model_size(base["model"], base["mom"], dim=scan, batch_size=b, **search,
@@ -425,12 +431,13 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
           size=None, sizes=None, steps: int = 3, warmup: int = 1, seed: int = 0, batch_step: int = 1,
           search_steps: int = 1, fresh_process: bool = False, store=None, name: str = "sweep",
           params_file=None, progress: bool = True, measure_fn=None, workers: int | None = None,
-          launch=None):
+          launch=None, attention: str | None = None, setup: str = "default"):
     """Measure a grid of configurations into a resumable store; return its records as a DataFrame.
 
     `models`, `moms`, `precision` and `budget` take one value or a list;
     `batch_sizes` a list or "auto"; `size` fixes size keywords (or "tiny");
-    `sizes` scans ``{keyword: [values] | "auto"}``. The store defaults to
+    `sizes` scans ``{keyword: [values] | "auto"}``; `setup` and `attention`
+    pick the software stack of every point (`momlab.workload.stack`). The store defaults to
     ``results/<name>.jsonl``. The frame has one row per point of this sweep
     (recorded now or before), in plan order, as `momlab.results.load` gives;
     ``df.attrs`` says the store and how many points were measured now or skipped.
@@ -460,8 +467,16 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
     launch = _launch_of(workers, launch)
     store = Path(store) if store is not None else Path("results") / f"{name}.jsonl"
     run = {"name": name, "params_file": None if params_file is None else str(params_file)}
+    # a bad setting fails before anything is measured (model names only where momlab measures them)
+    check_choice("setup", setup, SETUPS)
+    if attention is not None:
+        check_choice("attention", attention, ATTENTIONS)
+    for model in models if measure_fn is None else ():
+        stack(model, setup, attention)
+    # the stack settings travel with every point, and are part of its key only when not the default
+    stack_kw = {k: v for k, v in (("attention", attention), ("setup", setup)) if v != OPTIONAL_PARAMS[k]}
     units = _plan(models, moms, batch_sizes, budgets, device, precisions, size, sizes, steps, warmup, seed,
-                  batch_step, search_steps)
+                  batch_step, search_steps, stack_kw)
     if launch is not None:
         runner = _sweep_launched(units, store, run, device, measure_fn, fresh_process, launch, progress)
     else:

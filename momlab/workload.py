@@ -13,6 +13,19 @@ Optimizers follow the paper: AdamW for transformers, SGD with momentum for
 ResNets. Both run with ``foreach=True`` on every device: it is CUDA's default,
 its temporaries can set the peak, and choosing it everywhere makes the CPU's
 emulated device account the same step a GPU runs (recorded in `options`).
+
+The software stack beside model and MOM is a `Stack`, named by a *setup*:
+"default" is today's (transformers' default attention kernel, sdpa; the
+catalog's optimizer), "paper" the paper's own code per model (eager attention
+as the 2022 transformers and Swin code ran it, which keeps the attention
+probabilities and dropout masks; AdamW for BERT and Swin, Adam for GPT,
+SGD with momentum for ResNet; fp16 by autocast with fp32 weights as the
+master copy; GPT's MLP activation is exact GELU as in fairseq's GPT, where
+transformers' GPT-2 uses the tanh approximation, whose pow and tanh CUDA
+autocast runs in fp32, keeping several fp32 copies of the MLP's widest
+tensor; and gradients are zeroed in place rather than freed, as
+``zero_grad()`` did before torch 2.0, so they stay allocated through the next
+forward). An explicit `attention` overrides the setup's.
 """
 
 from __future__ import annotations
@@ -34,6 +47,15 @@ from momlab.moms import apply, parse_mom
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 FOREACH = True
+ATTENTIONS = ("eager", "sdpa")  # transformers' attn_implementation values momlab supports
+SETUPS = ("default", "paper")
+# the stack settings' defaults: a configuration that keeps them names neither (records, store keys, trials)
+STACK_DEFAULTS = {"attention": None, "setup": "default"}
+# families built from transformers models with attn_implementation ("config", a user's transformers config,
+# keeps transformers' own default unless given one)
+_ATTENTION_FAMILIES = ("bert", "gpt", "swin", "vit", "llama", "qwen2", "mixtral")
+# the paper's optimizer per family (its code: HF run_glue AdamW, Swin's AdamW, fairseq Adam, torchvision SGD)
+_PAPER_OPTIMIZER = {"bert": "adamw", "swin": "adamw", "vit": "adamw", "gpt": "adam", "resnet": "sgd"}
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
 
@@ -44,6 +66,41 @@ def check_batch_size(batch_size) -> int:
     return batch_size
 
 
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The software stack of a step (see the module docstring); a frozen value, parsed once by `stack`."""
+
+    setup: str  # the named setup it came from: "default" or "paper"
+    attention: str | None  # transformers' attn_implementation; None for models without attention
+    optimizer: str  # adamw | adam | sgd
+    activation: str | None = None  # GPT's MLP activation replaced by this (transformers' ACT2FN name); None: keep
+    grads_to_none: bool = True  # zero_grad(set_to_none=...): torch >= 2.0's default frees the gradients
+
+
+def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
+    """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
+
+    >>> stack("bert-large", "paper")
+    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False)
+    >>> stack("gpt3-small", attention="eager").optimizer
+    'adamw'
+    """
+    spec = catalog.spec(model)
+    family = spec.family
+    check_choice("setup", setup, SETUPS)
+    if attention is not None:
+        check_choice("attention", attention, ATTENTIONS)
+        if family not in _ATTENTION_FAMILIES + ("config",):
+            raise ValueError(f"{getattr(model, 'name', model)} has no attention layers (transformers' attn_implementation): attention "
+                             f"must be None, got {attention!r}")
+    elif family in _ATTENTION_FAMILIES:
+        attention = "eager" if setup == "paper" else "sdpa"
+    # a transformers config or a user's module keeps its own optimizer: the paper never ran it
+    optimizer = _PAPER_OPTIMIZER.get(family, spec.optimizer) if setup == "paper" else spec.optimizer
+    paper = setup == "paper"
+    return Stack(setup, attention, optimizer, "gelu" if paper and family == "gpt" else None, not paper)
 
 
 @dataclass
@@ -68,6 +125,7 @@ class Workload:
     options: dict = field(default_factory=dict)
     generator: torch.Generator | None = None
     rng_state: dict | None = None  # the global generators' state this workload's steps continue from
+    grads_to_none: bool = True  # free the gradients after the optimizer step (else zero them in place)
 
     @contextmanager
     def _own_rng(self):
@@ -113,7 +171,7 @@ class Workload:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.grads_to_none)
         if self.device.type == "meta" or is_fake(loss):  # no data: a traced step (momlab.estimate)
             return float("nan")
         return loss.detach().float().item()
@@ -142,11 +200,11 @@ class Workload:
 
 
 def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu", precision: str = "fp32",
-          seed: int = 0, **size) -> Workload:
+          seed: int = 0, attention: str | None = None, setup: str = "default", **size) -> Workload:
     """Build `model` (a catalog name, transformers config or `momlab.UserModel`) at `size` with `mom`
-    applied, ready to `.step()`."""
+    applied, ready to `.step()`; `setup` and `attention` pick the software stack (`stack`)."""
     model = resolve(model)
-    spec = catalog.spec(model)
+    st = stack(model, setup, attention)
     size = catalog.resolve_size(model, size)
     check_batch_size(batch_size)
     check_choice("precision", precision, PRECISIONS)
@@ -156,12 +214,17 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     torch.manual_seed(seed)
     if dev.type == "meta":
         with torch.device("meta"):
-            net = catalog.make_model(model, size)
+            net = catalog.make_model(model, size, attention=st.attention)
         net = net.to("meta")  # a user's module instance is copied with its own (cpu) weights
     else:
-        net = catalog.make_model(model, size)
+        net = catalog.make_model(model, size, attention=st.attention)
         if dev.type != "cpu":  # built on the CPU; .to() would try to swap a fake tensor's storage (estimate)
             net = net.to(dev)
+    if st.activation is not None:
+        from transformers.activations import ACT2FN
+
+        for block in catalog.blocks(model, net):
+            block.mlp.act = ACT2FN[st.activation]
     net.train()
     handle = None
     if mom != "exact":
@@ -172,19 +235,22 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
                 f"nn.Sequential of same-class layers): name them, momlab.UserModel(module, ..., blocks='layers') "
                 f"(an attribute path or a function of the module returning its blocks)")
         handle = apply(net, mom, blocks=blocks)
-    if spec.optimizer == "adamw":
+    if st.optimizer == "adamw":
         opt = torch.optim.AdamW(net.parameters(), foreach=FOREACH, **ADAMW)
+    elif st.optimizer == "adam":  # the same two moments as AdamW, no decoupled weight decay
+        opt = torch.optim.Adam(net.parameters(), foreach=FOREACH, lr=ADAMW["lr"])
     else:
         opt = torch.optim.SGD(net.parameters(), foreach=FOREACH, **SGD)
     scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" and dev.type != "meta" else None
     gen = torch.Generator().manual_seed(seed)
     options = {
-        "optimizer": spec.optimizer, "foreach": FOREACH,
+        "optimizer": st.optimizer, "foreach": FOREACH, "setup": st.setup, "activation": st.activation,
+        "grads_to_none": st.grads_to_none,
         "attn_implementation": getattr(getattr(net, "config", None), "_attn_implementation", None),
     }
     # steps continue the global stream from where the model's initialization left it (see _own_rng)
     return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen,
-                    _rng_state(dev))
+                    _rng_state(dev), st.grads_to_none)
 
 
 def _rng_state(device: torch.device) -> dict:

@@ -61,6 +61,21 @@ META_DTYPE = torch.float32  # min and scale: fp32 so the offset is exact and no 
 # whatever the tensor's size, instead of several copies of, say, GPT-2's logits
 CHUNK = 1 << 20
 
+# A traced step (momlab.estimate) runs the chunk loops *folded*: one pass over the first chunk stands for
+# all of them. The passes are alike and each frees its temporaries, so memory is the same op by op, and the
+# ops no longer depend on the batch size (the chunk count grows with it), so traces at two batch sizes
+# align; `REPEAT` says how many passes the one stands for (a tracer scales that pass's traffic by it).
+FOLD = False
+REPEAT = 1.0
+
+
+def _passes(n: int) -> range:
+    global REPEAT
+    if not FOLD:
+        return range(0, n, CHUNK)
+    REPEAT = max(1.0, n / CHUNK)
+    return range(0, min(n, 1))
+
 
 class Packed(NamedTuple):
     """A saved tensor in packed form; its tensors are all that is stored."""
@@ -129,28 +144,17 @@ def _unpack_bits(data: torch.Tensor, bits: int) -> torch.Tensor:
 TRACE_KERNEL = None
 
 
-def _chunk(n: int) -> int:
-    """Values per chunk of a tensor of `n` values: `CHUNK`, except in a trace for a GPU: one chunk.
-
-    Chunks bound a real step's temporaries (the float32 copy, the noise) to
-    CHUNK values, but their count grows with the tensor, so two traces at
-    different batch sizes would run different ops and the traced step would
-    not be affine in the batch (momlab.estimate needs that). One chunk keeps
-    it, at the price of counting the temporaries of the saved tensor being
-    packed whole (bert-large quant4 at batch 176: its largest, 23 M values,
-    about 0.3 GB more at the peak than chunks would hold, 2% of a V100).
-    """
-    if TRACE_KERNEL is None:
-        return CHUNK
-    return max(GROUP_SIZE, -(-n // GROUP_SIZE) * GROUP_SIZE)
-
-
 def _kernel(fn):
     hook = TRACE_KERNEL
     return fn if hook is None else functools.partial(hook, fn)
 
 
 # -- public functions -------------------------------------------------------------
+
+def _done() -> None:
+    global REPEAT
+    REPEAT = 1.0
+
 
 def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = None,
              encode=_encode) -> Packed:
@@ -174,16 +178,16 @@ def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = 
         groups = -(-n // GROUP_SIZE)
         data = torch.empty(groups * GROUP_SIZE * bits // 8, dtype=torch.uint8, device=x.device)
         meta = torch.empty(groups, 2, dtype=META_DTYPE, device=x.device)
-        step = _chunk(n)
-        for start in range(0, n, step):
-            chunk = flat[start:start + step].float()
+        for start in _passes(n):
+            chunk = flat[start:start + CHUNK].float()
             pad = (-chunk.numel()) % GROUP_SIZE
-            if pad:
+            if pad or FOLD:  # folded: the same ops whether or not this batch size needs padding
                 chunk = torch.cat([chunk, chunk[-1:].expand(pad)])
             noise = torch.rand(chunk.shape, generator=generator, device=chunk.device)
             codes, stats = encode(chunk, noise, bits)
             data[start * bits // 8:][:codes.numel()].copy_(codes)
             meta[start // GROUP_SIZE:][:stats.shape[0]].copy_(stats)
+        _done()
     return Packed(data, meta, tuple(x.shape), x.dtype, bits)
 
 
@@ -207,11 +211,11 @@ def dequantize(p: Packed, *, decode=_decode) -> torch.Tensor:
         if p.bits == 1:
             return _unpack_bits(p.data, 1)[:n].to(torch.bool).view(p.shape)
         out = torch.empty(n, dtype=p.dtype, device=p.data.device)
-        step = _chunk(n)
-        for start in range(0, n, step):
-            values = decode(p.data[start * p.bits // 8:][:step * p.bits // 8],
-                            p.meta[start // GROUP_SIZE:][:step // GROUP_SIZE], p.bits)
-            out[start:start + step].copy_(values.view(-1)[:n - start])
+        for start in _passes(n):
+            values = decode(p.data[start * p.bits // 8:][:CHUNK * p.bits // 8],
+                            p.meta[start // GROUP_SIZE:][:CHUNK // GROUP_SIZE], p.bits)
+            out[start:start + CHUNK].copy_(values.view(-1)[:n - start])
+        _done()
         return out.view(p.shape)
 
 

@@ -1,0 +1,83 @@
+"""Benchmark: the estimator against the paper's V100 measurements (momlab.validation), and its speed.
+
+Prints, in one run:
+
+1. The time of a first estimate (bert-large fp16, 128 tokens, on V100-16,
+   never traced: traces go to a fresh temporary cache) and of a later one
+   (read off the cached traces), for exact and ckpt. Target: a first
+   estimate under 2 s on the 2-core project machine.
+2. The validation table: predicted (setup="paper") vs the paper's measured
+   maximum batch per (model, MOM) on one V100, the error per row, and the
+   median absolute error over the comparable rows (targets: every row
+   within 15%, median at most 8%).
+3. The memory breakdown at the paper's batch sizes and the per-sample
+   slopes, predicted vs measured.
+
+Every prediction is a trace of the step on this CPU (minutes for the whole
+table the first time; build/cache/traces keeps them for the next run).
+
+Usage: python benchmarks/bench_validation.py [--quick]   (--quick: ResNet-50 and BERT-L only)
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import pandas as pd
+
+import momlab.estimate as E
+from momlab import validation
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def first_and_later() -> None:
+    saved = E.TRACE_CACHE
+    with tempfile.TemporaryDirectory() as tmp:
+        E.TRACE_CACHE = Path(tmp)
+        try:
+            for mom in ("exact", "ckpt"):
+                E.clear_cache()
+                args = dict(batch_size=32, gpu="V100-16", precision="fp16", setup="paper")
+                e, first = _timed(lambda: E.estimate("bert-large", mom, **args))
+                _, later = _timed(lambda: E.estimate("bert-large", mom, **{**args, "batch_size": 48}))
+                print(f"bert-large {mom:5s} first estimate {first:6.2f} s (target < 2 s), later {later * 1e3:6.1f} ms"
+                      f"  [peak at 32 predicted {e.peak_bytes / 2**30:.2f} GiB]")
+        finally:
+            E.TRACE_CACHE = saved
+            E.clear_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    pd.set_option("display.width", 200)
+    pd.set_option("display.max_colwidth", 70)
+    print("timings on a shared 2-core VM: noisy (+-30%, occasionally 2x)")
+    first_and_later()
+    models = ["resnet50", "bert-large"] if args.quick else validation.MEMORY_MODELS
+    table, secs = _timed(lambda: validation.max_batch_table(models))
+    cols = ["model", "mom", "precision", "paper_max_batch", "paper_oom_batch", "paper_point",
+            "predicted_max_batch", "error", "comparable", "note"]
+    print(f"\npredicted (setup='paper') vs the paper's V100 maximum batch ({secs:.0f} s)")
+    print(table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    s = validation.max_batch_summary(table)
+    print(f"\ncomparable rows {s['rows']}: median |error| {s['median_abs_error']:.1%} (target <= 8%), "
+          f"max {s['max_abs_error']:.1%}, within 15%: {s['within_15pct']}/{s['rows']}")
+    print("\nmemory breakdown at the paper's batch sizes (exact)")
+    print(validation.breakdown_table(models).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    print("\npeak bytes per sample")
+    slope_models = [m for m in ("bert-large", "resnet50", "swin-large", "wide-resnet50-2") if m in models]
+    print(validation.slope_table(slope_models).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""The software stack as a setting (attention, setup), CUDA semantics in traces, quant4 traces that align,
+and the validation table against the paper's V100 data."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import momlab.estimate as E
+from momlab import catalog, validation
+from momlab.measure import measure
+from momlab.moms import quant
+from momlab.results import config_key
+from momlab.workload import build, stack
+
+aten = torch.ops.aten
+TINY_BERT = catalog.tiny("bert-base")  # 2 layers, hidden 64, 2 heads, 32 tokens
+
+
+@pytest.fixture(autouse=True)
+def _no_disk_cache(monkeypatch):
+    monkeypatch.setattr(E, "TRACE_CACHE", None)
+    E.clear_cache()
+    yield
+    E.clear_cache()
+
+
+# -- the stack as a setting ----------------------------------------------------------------
+
+def test_bad_attention_names_the_valid_ones():
+    for call in (lambda: build("bert-base", batch_size=2, attention="flash", **TINY_BERT),
+                 lambda: measure("bert-base", batch_size=2, attention="flash", **TINY_BERT),
+                 lambda: E.estimate("bert-base", batch_size=2, gpu="A100-40", attention="flash", **TINY_BERT)):
+        with pytest.raises(ValueError, match="unknown attention 'flash'; valid: eager, sdpa"):
+            call()
+    with pytest.raises(ValueError, match="unknown setup 'apex'; valid: default, paper"):
+        stack("bert-base", "apex")
+    with pytest.raises(ValueError, match="resnet50 has no attention layers"):
+        stack("resnet50", attention="eager")
+
+
+def test_paper_setup_per_model():
+    assert stack("bert-large", "paper") == stack("bert-large", "paper", "eager")
+    assert [stack(m, "paper").optimizer for m in ("bert-large", "swin-large", "gpt3-small", "resnet50")] == \
+        ["adamw", "adamw", "adam", "sgd"]
+    assert stack("bert-large").attention == "sdpa" and stack("bert-large").grads_to_none
+    assert not stack("resnet50", "paper").grads_to_none and stack("resnet50", "paper").attention is None
+
+
+def test_measurement_and_estimate_record_the_stack():
+    m = measure("bert-base", batch_size=2, steps=1, setup="paper", **TINY_BERT)
+    assert (m.attention, m.setup, m.options["attn_implementation"]) == ("eager", "paper", "eager")
+    e = E.estimate("bert-base", batch_size=2, gpu="A100-40", attention="eager", **TINY_BERT)
+    assert (e.attention, e.setup) == ("eager", "default")
+
+
+def test_store_key_unchanged_for_the_default_stack():
+    p = dict(model="gpt2", mom="exact", batch_size=8, device="cpu", precision="fp32", size={}, budget=None,
+             steps=3, warmup=1, seed=0)
+    # the key this configuration had before attention/setup existed
+    assert config_key(p, {"torch": "2.13"}) == config_key({**p, "setup": "default", "attention": None},
+                                                         {"torch": "2.13"})
+    assert config_key(p, {}) != config_key({**p, "attention": "eager"}, {})
+    assert config_key(p, {}) != config_key({**p, "setup": "paper"}, {})
+
+
+# -- what CUDA's kernels save: eager vs fused attention ----------------------------------------
+
+def test_eager_attention_saves_probabilities_and_masks_on_cuda():
+    b, (layers, heads, seq) = 4, (TINY_BERT["num_layers"], TINY_BERT["num_heads"], TINY_BERT["seq_len"])
+    eager = E.estimate("bert-base", batch_size=b, gpu="A100-40", attention="eager", **TINY_BERT)
+    sdpa = E.estimate("bert-base", batch_size=b, gpu="A100-40", attention="sdpa", **TINY_BERT)
+    scores = layers * b * heads * seq * seq
+    head_dim = TINY_BERT["hidden_size"] // heads
+    # eager keeps per score at least: the softmax output (fp32, 4 B), the dropout mask (1 B) and the
+    # dropped-out probabilities the second matmul saves (4 B); the fused kernel keeps none of them. Beyond
+    # that eager may keep matmul's contiguous copies of k^T and v (fp32) and its additive mask (B x S x S
+    # fp32), plus allocator round-ups; the fused kernel's log-sum-exp is smaller than any of those
+    diff = eager.activation_bytes - sdpa.activation_bytes
+    copies = 2 * layers * b * heads * seq * head_dim * 4 + b * seq * seq * 4
+    assert 9 * scores <= diff <= 9 * scores + copies + 64 * E.ALLOCATOR_BLOCK
+    # on the CPU the math path materializes them either way: both stacks save the same bytes
+    cpu = [E.estimate("bert-base", batch_size=b, gpu="cpu", attention=a, **TINY_BERT).activation_bytes
+           for a in ("eager", "sdpa")]
+    assert cpu[0] - cpu[1] < diff / 4
+
+
+# -- CUDA's autocast lists -------------------------------------------------------------------
+
+class _Dtypes(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        first = out[0] if isinstance(out, (tuple, list)) else out
+        if isinstance(first, torch.Tensor) and first.is_floating_point():
+            self.seen.setdefault(func._overloadpacket.__name__, set()).add(first.dtype)
+        return out
+
+
+def _forward_dtypes(kernels: str, model="bert-base", size=TINY_BERT) -> dict:
+    w = build(model, batch_size=2, precision="bf16", attention="eager", **size)
+    inputs = w.batch()
+    rec = _Dtypes()
+    with E._kernels(kernels), torch.autocast("cpu", dtype=torch.bfloat16), rec:
+        catalog.loss(model, w.model, inputs)
+    return rec.seen
+
+
+def test_cuda_autocast_dtype_of_every_op_class():
+    cuda, cpu = _forward_dtypes("cuda"), _forward_dtypes("cpu")
+    low, fp32 = {torch.bfloat16}, {torch.float32}
+    # matmuls: lower precision on both lists
+    assert cuda["addmm"] == cpu["addmm"] == low and cuda["bmm"] == low
+    # softmax, layer norm, log-softmax (the loss): fp32 on CUDA, lower precision on the CPU
+    assert cuda["_softmax"] == fp32 and cpu["_softmax"] == low
+    # layer norm: these models feed it their fp32 residual stream, so its output is fp32 on both lists;
+    # given a bf16 input, CUDA's list still runs it in fp32 where the CPU's keeps bf16
+    assert cuda["native_layer_norm"] == cpu["native_layer_norm"] == fp32
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    for kernels, want in (("cuda", torch.float32), ("cpu", torch.bfloat16)):
+        with E._kernels(kernels), torch.autocast("cpu", dtype=torch.bfloat16):
+            got = [torch.nn.functional.layer_norm(x, (8,)).dtype, x.sum().dtype, x.exp().dtype]
+        assert got == [want] * 3, kernels
+    assert cuda["_log_softmax"] == fp32
+    # elementwise ops on no list follow their inputs (GELU of a bf16 matmul's output)
+    assert cuda["gelu"] == low
+    gpt = _forward_dtypes("cuda", "gpt2", catalog.tiny("gpt2"))
+    assert gpt["pow"] == fp32 and gpt["tanh"] == fp32  # GPT-2's tanh GELU: pow is on CUDA's fp32 list
+
+
+# -- quant4: traces align however many chunks a tensor takes -----------------------------------
+
+@pytest.mark.slow  # a measured step and four traces: about 10 s on a quiet machine
+def test_quant4_traces_align_and_match_measure(monkeypatch):
+    monkeypatch.setattr(quant, "CHUNK", 4096)  # tensors of this tiny model then take 1 to 16 chunks
+    prof = E.profile("bert-base", "quant4", kernels="cpu", **TINY_BERT)
+    assert prof.aligned and (prof.lo.batch_size, prof.hi.batch_size) == (2, 4)
+    # read off the two traces at batch 16 == traced there, byte for byte
+    assert prof.at(16).peak_bytes == prof.at(16, trace=True).peak_bytes
+    # a folded trace keeps what a real (unfolded) step keeps
+    m = measure("bert-base", "quant4", batch_size=16, steps=1, **TINY_BERT)
+    assert prof.at(16).peak_bytes == m.peak_bytes
+    assert prof.peak_bytes([16])[0] == m.peak_bytes  # the vectorized closed form agrees
+    assert quant.FOLD is False and quant.REPEAT == 1.0  # the fold does not leak out of a trace
+
+
+# -- memory outside tensors --------------------------------------------------------------------
+
+def test_cuda_overheads_are_named_fields():
+    e = E.estimate("bert-base", batch_size=2, gpu="V100-16", **TINY_BERT)
+    assert e.cublas_workspace_bytes == 2 * 4096 * 1024 + 8 * 16 * 1024
+    assert e.context_bytes == 512 * 2 ** 20 and e.capacity_bytes == 16 * 2 ** 30 - e.context_bytes
+    assert 0 < e.rounding_bytes < e.peak_bytes
+    assert e.peak_bytes == E.profile("bert-base", **TINY_BERT).at(2).peak_bytes + e.cublas_workspace_bytes
+    assert E.cuda_overheads(E.get_gpu("H100-80")).cublas_workspace_bytes == 32 * 2 ** 20
+    assert E.estimate("bert-base", batch_size=2, gpu="cpu", **TINY_BERT).cublas_workspace_bytes == 0
+
+
+# -- the validation table ------------------------------------------------------------------------
+
+def test_max_batch_table_rows_and_marks(monkeypatch):
+    monkeypatch.setattr(validation, "predict_max_batch", lambda model, mom, **kw: 50 if mom != "ckpt-dtr" else
+                        (_ for _ in ()).throw(ValueError("unknown MOM 'ckpt-dtr'")))
+    t = validation.max_batch_table(["bert-large", "resnet50"], None)
+    row = t[(t.model == "bert-large") & (t.mom == "exact")].iloc[0]
+    # the paper: 44 fit, 52 failed -> the comparison point is 48
+    assert (row.paper_max_batch, row.paper_oom_batch, row.paper_point) == (44, 52, 48.0)
+    assert row.error == pytest.approx(50 / 48 - 1) and row.comparable
+    swap = t[(t.model == "bert-large") & (t.mom == "swap")].iloc[0]
+    assert not swap.comparable and "ZeRO-3" in swap.note
+    dtr = t[(t.model == "resnet50") & (t.mom == "ckpt-dtr")].iloc[0]
+    assert not dtr.comparable and "DTR" in dtr.note and "no failing batch" in dtr.note
+    none = validation.max_batch_table(["resnet50"], ["quant4+ckpt"]).iloc[0]
+    assert none.note == "no paper data" and not none.comparable and none.predicted_max_batch == 50
+    s = validation.max_batch_summary(t)
+    assert s["rows"] == int(t.comparable.sum())
