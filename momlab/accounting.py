@@ -88,8 +88,8 @@ class StorageTracker(TorchDispatchMode):
         self.peak_bytes = 0
         self.peak_host_bytes = 0
         self.enforce = True
-        # device allocations are counted rounded up to this many bytes, as an allocator hands them out
-        # (CUDA's caching allocator: 512; 1 counts tensor bytes); the round-up total is `padding_bytes`
+        # the round-up an allocator handing out blocks of `granule` bytes would add to the live device
+        # storages (CUDA's caching allocator: 512; 1: none), kept apart as `padding_bytes`
         self.granule = 1
         self.padding_bytes = 0
 
@@ -105,8 +105,10 @@ class StorageTracker(TorchDispatchMode):
             return
         st = t.untyped_storage()
         key = st._cdata
-        raw = st.nbytes()
-        nbytes = raw if host or self.granule == 1 else -(-raw // self.granule) * self.granule
+        nbytes = st.nbytes()
+        # what an allocator would add by rounding this storage up to whole blocks: counted apart from
+        # `device_bytes`, which stays the tensors' bytes (so a traced step stays affine in the batch)
+        pad = 0 if host or self.granule == 1 else -(-nbytes // self.granule) * self.granule - nbytes
         entry = self._live.get(key)
         if entry is not None:
             grown = nbytes - entry[0]
@@ -114,13 +116,13 @@ class StorageTracker(TorchDispatchMode):
                 return
             # an out= op resized an existing storage
             entry[0] = nbytes
-            self.padding_bytes += (nbytes - raw) - entry[3]
-            entry[3] = nbytes - raw
+            self.padding_bytes += pad - entry[3]
+            entry[3] = pad
             self._add(grown, entry[1], check)
             return
         ref = weakref.ref(st, self._finalizer(key))
-        self._live[key] = [nbytes, host, ref, nbytes - raw]
-        self.padding_bytes += nbytes - raw
+        self._live[key] = [nbytes, host, ref, pad]
+        self.padding_bytes += pad
         self._add(nbytes, host, check)
 
     def _finalizer(self, key: int):

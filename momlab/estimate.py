@@ -299,19 +299,16 @@ def _kernels(kernels: str, tracer=None):
     checkpointed block; overriding sdpa's composite kernel at the dispatcher
     is seen by both. CUDA's autocast lists replace the CPU's the same way
     (`_register_cuda_autocast`), and quantization's chunk loops run folded
-    (`momlab.moms.quant.FOLD`) on any target. The overrides are process-wide
+    (`momlab.moms.quant.FOLD`; on the cpu target they run as measured). The overrides are process-wide
     while they last (`_LOCK` keeps traces one at a time) and removed on exit.
     It also hands `tracer` to quant (`quant.TRACE_KERNEL`), whose encode and
     decode are one compiled kernel each on CUDA.
     """
     quant = _quant
-    quant.FOLD = True
     if kernels != "cuda":
-        try:
-            yield
-        finally:
-            quant.FOLD = False
+        yield
         return
+    quant.FOLD = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
         lib = torch.library.Library("aten", "IMPL")
@@ -485,7 +482,7 @@ class Probe:
     backward_ops: int = 0  # how many are forward's and backward's (the optimizer's follow)
     group: np.ndarray | None = None  # per op, the fused kernel it is part of (-1: none; see `_Tracer.kernel`)
     group_bytes: np.ndarray | None = None  # per fused kernel, the bytes it reads and writes
-    padding: np.ndarray | None = None  # allocator round-up bytes included in `live`, at the start and per op
+    padding: np.ndarray | None = None  # allocator round-up bytes beside `live` (not in it), at the start and per op
     forward_grads: int = 0  # gradients resident at the end of forward (zeroed in place, not freed)
 
     @property
@@ -899,14 +896,15 @@ def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kern
                 prof: Profile):
     t = step_time(p, g, cal, tf32=tf32)
     over = cuda_overheads(g)
-    peak = p.peak_bytes + over.cublas_workspace_bytes
+    peak = p.peak_bytes + over.cublas_workspace_bytes + p.rounding_bytes
     fits = peak <= capacity
     flops = float(p.flops.sum()) + (float(p.extra_flops.sum()) if kernels == "cuda" else 0.0)
     return Estimate(
         model=name_of(model), mom=mom, batch_size=p.batch_size, precision=precision, size=dict(size), gpu=g.name,
         fits=fits, peak_bytes=peak, params_bytes=p.params_bytes, grads_bytes=p.grads_bytes,
         optimizer_bytes=p.optimizer_bytes, activation_bytes=p.activation_bytes,
-        workspace_bytes=p.workspace_bytes + over.cublas_workspace_bytes, host_bytes=p.host_bytes,
+        workspace_bytes=p.workspace_bytes + over.cublas_workspace_bytes + p.rounding_bytes,
+        host_bytes=p.host_bytes,
         step_time_s=t.step_time_s,
         throughput=p.batch_size / t.step_time_s if fits else math.nan, flops=int(round(flops)),
         calibrated=cal.calibrated, capacity_bytes=capacity, efficiency=cal.efficiency,
@@ -926,8 +924,11 @@ def _prepare(model, mom, gpu, precision, tf32, size, attention=None, setup="defa
 
 
 def _max_batch(g: Gpu, prof: Profile, budget) -> int:
-    """Largest batch whose traced peak plus the cuBLAS workspace fits the allocator's capacity."""
-    return prof.max_batch_size(_capacity(g, budget) - cuda_overheads(g).cublas_workspace_bytes)
+    """Largest batch whose traced peak plus the cuBLAS workspace and the allocator's round-up fits the
+    allocator's capacity (the round-up taken at the larger trace: it grows with the count of live tensors,
+    not with their size, so it is nearly constant in the batch)."""
+    return prof.max_batch_size(_capacity(g, budget) - cuda_overheads(g).cublas_workspace_bytes
+                               - prof.hi.rounding_bytes)
 
 
 def estimate(model: str, mom: str = "exact", *, batch_size: int, gpu: str, precision: str = "fp32",

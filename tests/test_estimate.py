@@ -265,7 +265,8 @@ def test_cuda_kernels_trace_fused_attention():
 def test_estimate_record_and_fits(_no_records):
     e = estimate("bert-base", "swap", batch_size=8, gpu="A100-40", results=_no_records, **catalog.tiny("bert-base"))
     assert isinstance(e, Estimate) and e.gpu == "A100-40" and e.device == "cuda"
-    assert e.fits and e.capacity_bytes == 40 * 2 ** 30 and e.memory_source == "predicted"
+    # the CUDA context takes its share of the card before the allocator gets any (momlab.estimate.CudaOverheads)
+    assert e.fits and e.capacity_bytes == 40 * 2 ** 30 - e.context_bytes > 0 and e.memory_source == "predicted"
     assert e.peak_bytes >= e.params_bytes + e.grads_bytes + e.optimizer_bytes
     assert e.host_bytes > 0 and e.time["transfer_s"] == pytest.approx(2 * e.host_bytes / get("A100-40").pinned_bandwidth)
     assert e.throughput == pytest.approx(8 / e.step_time_s)

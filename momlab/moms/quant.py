@@ -69,12 +69,18 @@ FOLD = False
 REPEAT = 1.0
 
 
+def _folded(n: int) -> bool:
+    """Whether a loop over `n` values runs folded: in a trace, and only where it has several chunks (one
+    chunk runs as it always does, so a traced small tensor is packed op for op as a real step packs it)."""
+    return FOLD and n > CHUNK
+
+
 def _passes(n: int) -> range:
     global REPEAT
-    if not FOLD:
+    if not _folded(n):
         return range(0, n, CHUNK)
-    REPEAT = max(1.0, n / CHUNK)
-    return range(0, min(n, 1))
+    REPEAT = n / CHUNK
+    return range(0, 1)
 
 
 class Packed(NamedTuple):
@@ -181,7 +187,7 @@ def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = 
         for start in _passes(n):
             chunk = flat[start:start + CHUNK].float()
             pad = (-chunk.numel()) % GROUP_SIZE
-            if pad or FOLD:  # folded: the same ops whether or not this batch size needs padding
+            if pad or _folded(n):  # folded: the same ops whether or not this batch size needs padding
                 chunk = torch.cat([chunk, chunk[-1:].expand(pad)])
             noise = torch.rand(chunk.shape, generator=generator, device=chunk.device)
             codes, stats = encode(chunk, noise, bits)
