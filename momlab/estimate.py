@@ -304,23 +304,22 @@ def _kernels(kernels: str, tracer=None):
     It also hands `tracer` to quant (`quant.TRACE_KERNEL`), whose encode and
     decode are one compiled kernel each on CUDA.
     """
-    quant = _quant
     if kernels != "cuda":
         yield
         return
-    quant.FOLD = True
+    _quant.FOLD = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
         lib = torch.library.Library("aten", "IMPL")
         lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
         _register_cuda_autocast(lib)
-    quant.TRACE_KERNEL = tracer.kernel if tracer is not None else None
+    _quant.TRACE_KERNEL = tracer.kernel if tracer is not None else None
     try:
         yield
     finally:
-        quant.TRACE_KERNEL = None
+        _quant.TRACE_KERNEL = None
         lib._destroy()
-        quant.FOLD = False
+        _quant.FOLD = False
 
 
 # number formats of an op's compute, as indices into a device's peak FLOP/s (see _peaks)

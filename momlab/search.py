@@ -44,7 +44,7 @@ from momlab.catalog import SIZE_KEYWORDS
 from momlab.moms import parse_mom
 from momlab.record import Measurement
 from momlab.usermodel import resolve
-from momlab.workload import STACK_DEFAULTS
+from momlab.workload import stack_settings
 
 
 @dataclass(frozen=True)
@@ -287,11 +287,6 @@ def _ranks(ranks: int, parallel: str) -> dict:
     return {} if ranks == 1 and parallel == "none" else dict(ranks=ranks, parallel=parallel)
 
 
-def _stack(attention, setup: str) -> dict:
-    """The software-stack settings a trial passes on: none for the default stack (any `measure_fn` takes that)."""
-    return {k: v for k, v in (("attention", attention), ("setup", setup)) if v != STACK_DEFAULTS[k]}
-
-
 def _check_budget(budget, device) -> None:
     if budget is None and str(device).split(":")[0] == "cpu":
         raise ValueError("a search on cpu needs a budget (the emulated device has no capacity of its own), "
@@ -324,7 +319,7 @@ def max_batch_size(model: str, mom: str = "exact", *, budget, device: str = "cpu
     if "batch_size" in size:
         raise ValueError("max_batch_size searches batch_size; do not pass it")
     fixed = dict(model=model, mom=mom, device=device, budget=budget, precision=precision, steps=steps,
-                 warmup=warmup, seed=seed, **_ranks(ranks, parallel), **_stack(attention, setup), **size)
+                 warmup=warmup, seed=seed, **_ranks(ranks, parallel), **stack_settings(attention, setup), **size)
     s = find_max(_trial_function(measure_fn, fresh_process, fixed, "batch_size"), step=step, start=start,
                  limit=limit, dim="batch_size")
     s.config = fixed
@@ -352,7 +347,7 @@ def max_model_size(model: str, mom: str = "exact", *, dim: str, batch_size: int,
     model, mom = _resolve(model, measure_fn), parse_mom(mom)  # parsed once: every trial takes them as they are
     step = size_step(model, dim, **size) if step is None else step
     fixed = dict(model=model, mom=mom, batch_size=batch_size, device=device, budget=budget, precision=precision,
-                 steps=steps, warmup=warmup, seed=seed, **_ranks(ranks, parallel), **_stack(attention, setup),
+                 steps=steps, warmup=warmup, seed=seed, **_ranks(ranks, parallel), **stack_settings(attention, setup),
                  **size)
     s = find_max(_trial_function(measure_fn, fresh_process, fixed, dim), step=step, start=start, limit=limit,
                  dim=dim)

@@ -55,7 +55,7 @@ from momlab.search import (SIZE_KEYWORDS, Search, max_batch_size, max_model_size
                            resolve_measure)
 from momlab.units import parse_bytes
 from momlab.errors import check_choice
-from momlab.workload import ATTENTIONS, SETUPS, parse_mom, stack
+from momlab.workload import ATTENTIONS, SETUPS, parse_mom, stack, stack_settings
 
 # The keys of a parameter file, each a keyword of `sweep`, with what it means.
 FILE_KEYS = {
@@ -474,7 +474,7 @@ def sweep(models, moms="exact", *, batch_sizes="auto", budget=None, device: str 
     for model in models if measure_fn is None else ():
         stack(model, setup, attention)
     # the stack settings travel with every point, and are part of its key only when not the default
-    stack_kw = {k: v for k, v in (("attention", attention), ("setup", setup)) if v != OPTIONAL_PARAMS[k]}
+    stack_kw = stack_settings(attention, setup)
     units = _plan(models, moms, batch_sizes, budgets, device, precisions, size, sizes, steps, warmup, seed,
                   batch_step, search_steps, stack_kw)
     if launch is not None:

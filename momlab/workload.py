@@ -51,6 +51,11 @@ ATTENTIONS = ("eager", "sdpa")  # transformers' attn_implementation values momla
 SETUPS = ("default", "paper")
 # the stack settings' defaults: a configuration that keeps them names neither (records, store keys, trials)
 STACK_DEFAULTS = {"attention": None, "setup": "default"}
+
+
+def stack_settings(attention: str | None, setup: str) -> dict:
+    """The stack settings that differ from `STACK_DEFAULTS`: what a trial, a sweep point or a store key names."""
+    return {k: v for k, v in (("attention", attention), ("setup", setup)) if v != STACK_DEFAULTS[k]}
 # families built from transformers models with attn_implementation ("config", a user's transformers config,
 # keeps transformers' own default unless given one)
 _ATTENTION_FAMILIES = ("bert", "gpt", "swin", "vit", "llama", "qwen2", "mixtral")
