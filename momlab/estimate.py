@@ -586,6 +586,7 @@ class Profile:
     _session: _Session | None = field(default=None, repr=False)
     attention: str | None = None  # the software stack traced (`momlab.workload.stack`)
     setup: str = "default"
+    depths: tuple[int, int] | None = None  # unrolled from traces at these depths (`_unroll`); None: traced
 
     @property
     def aligned(self) -> bool:
@@ -692,6 +693,11 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
         if prof is None:
             disk = _disk_path(model, mom, precision, size, kernels, st) if isinstance(model, str) else None
             probes = _load(*disk) if disk is not None else None
+            if probes is None:
+                prof = _depth_profile(model, mom, precision, size, kernels, st)
+                if prof is not None:
+                    _PROFILES[key] = prof
+                    return prof
             session = None
             if probes is None:
                 session = _Session(model, mom, precision, size, kernels, attention=st.attention, setup=st.setup)
@@ -707,6 +713,139 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
                            disk[0] if session is None else None, session, st.attention, st.setup)
             _PROFILES[key] = prof
     return prof
+
+
+# -- depth: a stack of identical blocks, traced shallow ---------------------------------------
+
+# Families whose `num_layers` repeats one block (Swin's stage alternates shifted and plain windows, a
+# period of two blocks: traced at full depth). A deeper configuration of these is traced at depths
+# DEPTH_BASE and DEPTH_BASE + 1 and unrolled (`_unroll`); False: always trace the full depth.
+DEPTH_FAMILIES = frozenset({"bert", "gpt", "vit", "resnet", "llama", "qwen2"})
+DEPTH_BASE: dict[str, int] = {}  # per family, the shallower traced depth (default 3: the deeper trace then
+# holds the three blocks in a row that `_unroll_phase` checks; at 2 and 3 the ops around the stack of BERT, ViT,
+# Llama and Qwen2 look like a block's ends and most traces fell back to full depth, docs/LOG.md 2026-12-04).
+# ResNet's first block of a stage downsamples: at 3 and 4 its stack of identical blocks is two and three long
+EXTRAPOLATE_DEPTH = True
+
+
+class _NotAStack(ValueError):
+    """Two traces one block apart whose ops are not one sequence with a block inserted."""
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if len(diff) else n
+
+
+def _unroll_phase(ka, kb, va, vb, m: int):
+    """One phase (forward, backward or optimizer) at `m` more blocks than trace `a`, `b` having one more.
+
+    ``ka``, ``kb``: per-op keys (op, format, kernel group) of the two traces; ``va``, ``vb``: per-op values
+    (rows), affine in the depth. ``b`` is ``a`` with ``k`` ops (one block) inserted at some ``i``; for a
+    stack, a value at offset ``t`` of the ``j``-th block of depth ``L`` is ``alpha_t + beta_t L + gamma_t j``
+    and outside the blocks ``alpha + beta L``. From the two traces: before ``i`` beta is ``vb - va``; after
+    it (shifted by ``k``) beta + gamma of the blocks it holds; the inserted block is block 0 of the new
+    ones, the block before it in ``b`` gives gamma_t (their difference) and beta_t (against ``a``).
+    Inserting ``m`` blocks there is exact for every ``i`` the ops allow (any rotation of the block), as
+    long as the ``k`` ops before ``i`` are blocks too: ``i`` is taken where ``b`` holds three blocks in a
+    row around it, whose live bytes grow by the same amount op by op (the ops before the stack may end as a
+    block ends, the ops after it begin as a block begins; their bytes do not follow the blocks').
+    """
+    n, k = len(ka), len(kb) - len(ka)
+    if k < 0:
+        raise _NotAStack("the deeper trace has fewer ops")
+    if k == 0:
+        if not np.array_equal(ka, kb):
+            raise _NotAStack("same op count, different ops")
+        return ka, va + m * (vb - va)
+    hi = _common_prefix(ka, kb)
+    lo = n - _common_prefix(ka[::-1], kb[::-1])
+
+    def blocks(i):  # the k ops before i and the two k-op runs around them are three consecutive blocks of b
+        if i < 2 * k or not (np.array_equal(kb[i - 2 * k:i - k], kb[i - k:i])
+                             and np.array_equal(kb[i - k:i], kb[i:i + k])):
+            return False
+        # the live bytes of consecutive blocks differ by the same amount, op by op (gamma); at an i that
+        # reaches into the ops before or after the stack (which may repeat a block's first or last ops) not
+        second = vb[i - 2 * k:i - k, :2] - 2 * vb[i - k:i, :2] + vb[i:i + k, :2]
+        return not second.any()
+
+    fits = [i for i in range(lo, hi + 1) if blocks(i)]
+    if not fits:
+        raise _NotAStack("no insertion point after two whole blocks")
+    i = min(fits, key=lambda x: abs(2 * x - lo - hi))
+    block, before = vb[i:i + k], vb[i - k:i]
+    beta, gamma = before - va[i - k:i], block - before
+    copies = [block + beta * (m - 1) + gamma * c for c in range(m)]
+    keys = np.concatenate([ka[:i], *([kb[i:i + k]] * m), ka[i:]])
+    vals = np.concatenate([va[:i] + m * (vb[:i] - va[:i]), *copies, va[i:] + m * (vb[i + k:] - va[i:])])
+    return keys, vals
+
+
+def _phase_arrays(p: Probe):
+    """Per op of `p`: keys (what must repeat) and values (what grows), and the phase boundaries."""
+    n = len(p.ops)
+    group = p.group if p.group is not None else np.full(n, -1, dtype=np.int32)
+    inside = group >= 0
+    start = inside & np.r_[True, group[1:] != group[:-1]]
+    gbytes = np.zeros(n)
+    if p.group_bytes is not None and start.any():
+        gbytes[start] = p.group_bytes[group[start]]
+    pad = p.padding if p.padding is not None else np.zeros(n + 1, dtype=np.int64)
+    keys = (p.ops.astype(np.int64) * 16 + p.fmt.astype(np.int64) * 4 + inside * 2 + start)
+    vals = np.column_stack([p.live[1:], pad[1:], p.flops, p.extra_flops, p.bytes, gbytes]).astype(np.float64)
+    return keys, vals, (0, p.forward_ops, p.backward_ops, n)
+
+
+def _unroll(a: Probe, b: Probe, m: int) -> Probe:
+    """The step `m` blocks deeper than `a`, from `a` and `b` (one block deeper), at the same batch size."""
+    if a.batch_size != b.batch_size:
+        raise ValueError("unroll traces of one batch size")
+    (ka, va, ea), (kb, vb, eb) = _phase_arrays(a), _phase_arrays(b)
+    keys, vals, ends = [], [], [0]
+    for ph in range(3):
+        k, v = _unroll_phase(ka[ea[ph]:ea[ph + 1]], kb[eb[ph]:eb[ph + 1]], va[ea[ph]:ea[ph + 1]],
+                             vb[eb[ph]:eb[ph + 1]], m)
+        keys.append(k), vals.append(v), ends.append(ends[-1] + len(k))
+    keys, vals = np.concatenate(keys), np.concatenate(vals)
+    inside, start = (keys & 2) > 0, (keys & 1) > 0
+    group = np.where(inside, np.cumsum(start) - 1, -1).astype(np.int32)
+    line = lambda x, y: int(round(x + m * (y - x)))  # noqa: E731
+    live0 = line(a.live[0], b.live[0])
+    pad0 = line(0 if a.padding is None else a.padding[0], 0 if b.padding is None else b.padding[0])
+    return Probe(
+        a.batch_size, line(a.params_bytes, b.params_bytes), line(a.optimizer_bytes, b.optimizer_bytes),
+        line(a.grads_bytes, b.grads_bytes), line(a.forward_live, b.forward_live),
+        line(a.forward_host, b.forward_host), np.rint(np.r_[live0, vals[:, 0]]).astype(np.int64),
+        np.maximum(0.0, vals[:, 2]), np.maximum(0.0, vals[:, 3]), np.maximum(0.0, vals[:, 4]),
+        (keys // 4 % 4).astype(np.int8), (keys // 16).astype(np.int32), a.seconds + b.seconds, ends[1], ends[2],
+        group, np.maximum(0.0, vals[start, 5]), np.rint(np.r_[pad0, vals[:, 1]]).astype(np.int64),
+        line(a.forward_grads, b.forward_grads))
+
+
+def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
+    """The profile of a deep stack unrolled from the profiles at depths DEPTH_BASE and DEPTH_BASE + 1 (cached,
+    on disk too, and shared by every depth), or None where that does not apply or the traces are not a stack."""
+    if not (EXTRAPOLATE_DEPTH and isinstance(model, str) and catalog.spec(model).family in DEPTH_FAMILIES):
+        return None
+    base = DEPTH_BASE.get(catalog.spec(model).family, 3)
+    if size.get("num_layers", 0) <= base + 1:
+        return None
+    shallow = [profile(model, mom, precision=precision, kernels=kernels, attention=st.attention, setup=st.setup,
+                       **{**size, "num_layers": d}) for d in (base, base + 1)]
+    if not all(p.aligned for p in shallow):
+        return None
+    b1, b2 = max(p.lo.batch_size for p in shallow), max(p.hi.batch_size for p in shallow)
+    m = size["num_layers"] - base
+    try:
+        lo, hi = (_unroll(shallow[0].at(b), shallow[1].at(b), m) for b in (b1, b2))
+    except _NotAStack:
+        return None
+    if not _aligned(lo, hi):
+        return None
+    return Profile(model, mom, precision, size, kernels, lo, hi, attention=st.attention, setup=st.setup,
+                   depths=(base, base + 1))
 
 
 def clear_cache() -> None:

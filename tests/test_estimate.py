@@ -243,6 +243,43 @@ def test_max_model_size_is_exact_on_its_grid(_no_records):
     assert fits.fits and not over.fits
 
 
+
+def _same_step(a: Probe, b: Probe) -> bool:
+    return (a.batch_size == b.batch_size and np.array_equal(a.ops, b.ops) and np.array_equal(a.live, b.live)
+            and np.array_equal(a.padding, b.padding) and np.allclose(a.flops, b.flops)
+            and np.allclose(a.bytes, b.bytes) and (a.params_bytes, a.grads_bytes, a.optimizer_bytes, a.forward_live,
+                                                   a.forward_host) == (b.params_bytes, b.grads_bytes,
+                                                                       b.optimizer_bytes, b.forward_live, b.forward_host))
+
+
+@pytest.mark.parametrize("model,mom,kernels", [
+    ("bert-base", "exact", "cuda"), ("gpt2", "quant4+ckpt", "cuda"), ("resnet50", "swap", "cpu"),
+])
+def test_a_deep_stack_unrolled_from_shallow_traces_equals_a_full_trace(model, mom, kernels, monkeypatch):
+    """Depth extrapolation (issue 13): traces at 3 and 4 blocks give every deeper step op for op, byte for
+    byte, as tracing the full depth does, at three depths."""
+    size = catalog.tiny(model)
+    for depth in (5, 7, 10):
+        clear_cache()
+        monkeypatch.setattr("momlab.estimate.EXTRAPOLATE_DEPTH", True)
+        unrolled = profile(model, mom, kernels=kernels, **{**size, "num_layers": depth})
+        clear_cache()
+        monkeypatch.setattr("momlab.estimate.EXTRAPOLATE_DEPTH", False)
+        full = profile(model, mom, kernels=kernels, **{**size, "num_layers": depth})
+        assert unrolled.depths == (3, 4) and full.depths is None
+        assert _same_step(unrolled.lo, full.lo) and _same_step(unrolled.hi, full.hi), (model, mom, depth)
+        assert unrolled.max_batch_size(2 ** 28) == full.max_batch_size(2 ** 28)
+
+
+def test_an_unrolled_stack_is_the_measured_step(_no_records):
+    """Against the measurement, not another trace: bert-base's tiny preset 6 layers deep on the cpu target."""
+    size = {**catalog.tiny("bert-base"), "num_layers": 6}
+    clear_cache()
+    assert profile("bert-base", "ckpt", kernels="cpu", **size).depths == (3, 4)
+    e = estimate("bert-base", "ckpt", batch_size=3, gpu="cpu", results=_no_records, **size)
+    m = measure("bert-base", "ckpt", batch_size=3, steps=1, **size)
+    assert {k: getattr(e, k) for k in MEMORY} == {k: getattr(m, k) for k in MEMORY}
+
 def test_cuda_kernels_trace_fused_attention():
     """On a GPU, attention with dropout is one fused kernel: no probabilities or masks are saved."""
     size = catalog.tiny("bert-base")
