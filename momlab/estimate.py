@@ -719,13 +719,13 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
 
 # Families whose `num_layers` repeats one block (Swin's stage alternates shifted and plain windows, a
 # period of two blocks: traced at full depth). A deeper configuration of these is traced at depths
-# DEPTH_BASE and DEPTH_BASE + 1 and unrolled (`_unroll`); False: always trace the full depth.
+# DEPTH_BASE and DEPTH_BASE + 1 and unrolled (`_unroll`).
 DEPTH_FAMILIES = frozenset({"bert", "gpt", "vit", "resnet", "llama", "qwen2"})
-DEPTH_BASE: dict[str, int] = {}  # per family, the shallower traced depth (default 3: the deeper trace then
-# holds the three blocks in a row that `_unroll_phase` checks; at 2 and 3 the ops around the stack of BERT, ViT,
-# Llama and Qwen2 look like a block's ends and most traces fell back to full depth, docs/LOG.md 2026-12-04).
-# ResNet's first block of a stage downsamples: at 3 and 4 its stack of identical blocks is two and three long
-EXTRAPOLATE_DEPTH = True
+# 3: the deeper trace then holds the three blocks in a row that `_unroll_phase` checks (ResNet's too: the first
+# block of its stage downsamples, the other three repeat). At 2 and 3 the ops around the stack of BERT, ViT,
+# Llama and Qwen2 look like a block's ends and most traces fell back to full depth (docs/LOG.md 2026-12-04).
+DEPTH_BASE = 3
+EXTRAPOLATE_DEPTH = True  # False: always trace the full depth
 
 
 class _NotAStack(ValueError):
@@ -829,7 +829,7 @@ def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
     on disk too, and shared by every depth), or None where that does not apply or the traces are not a stack."""
     if not (EXTRAPOLATE_DEPTH and isinstance(model, str) and catalog.spec(model).family in DEPTH_FAMILIES):
         return None
-    base = DEPTH_BASE.get(catalog.spec(model).family, 3)
+    base = DEPTH_BASE
     if size.get("num_layers", 0) <= base + 1:
         return None
     shallow = [profile(model, mom, precision=precision, kernels=kernels, attention=st.attention, setup=st.setup,
