@@ -181,6 +181,9 @@ def parallelize(w: Workload, strategy: str, *, offload: bool = False) -> Workloa
     if strategy == "none":
         w.options.update(parallel="none")
         return w
+    # the strategy's own gradient buffers replace the one-GPU DDP buckets a setup emulates (`Stack.ddp_buckets`)
+    w.ddp_buckets = False
+    w.options["ddp_buckets"] = False
     if strategy == "ddp":
         w.model = apply_ddp(w.model, w.device)
         w.options.update(parallel="ddp", gradient_as_bucket_view=True)

@@ -26,10 +26,11 @@ the losses run in fp32 on CUDA where the CPU lists keep bf16/fp16. Each
 device allocation is counted rounded up to the caching allocator's 512-byte
 blocks; the cuBLAS workspace (allocated through the caching allocator, so in
 the allocator's peak) and the CUDA context (outside it, but taking device
-memory) are named fields of an `Estimate` (`CudaOverheads`). Not modelled:
-cuDNN's per-convolution workspaces and the caching allocator's
-fragmentation (reserved beyond allocated), so a real OOM comes somewhat
-before the predicted one.
+memory) are named fields of an `Estimate` (`CudaOverheads`). The caching
+allocator's fragmentation (reserved beyond allocated) is modelled on request
+(``allocator="caching"``): a fresh process traced at the batch in question,
+its every allocation and free replayed through the allocator's rules
+(`momlab.allocator`). Not modelled: cuDNN's per-convolution workspaces.
 
 Memory is affine in batch size for a fixed graph, operation by operation:
 the live bytes after the i-th operation are ``a_i + b_i * batch``. Two
@@ -59,9 +60,10 @@ import threading
 import time
 import types
 import warnings
+import weakref
 import zipfile
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib.metadata import version
 from pathlib import Path
 
@@ -73,7 +75,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from momlab import catalog
+from momlab import allocator, catalog
 from momlab.gpus import Gpu
 from momlab.gpus import get as get_gpu
 from momlab.accounting import StorageTracker, unique_storage_bytes
@@ -91,8 +93,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # the batch sizes a profile is traced at: the first two that run the same ops (a batch of one is
 # avoided: some code squeezes it; quantization packs only tensors of >= 1024 values, so a tiny model's
-# smallest batches can differ in ops)
-TRACE_BATCHES = (2, 4, 8, 16, 32)
+# smallest batches can differ in ops, and runs its chunk loop folded only for tensors of several chunks, so
+# a tensor crossing that size between two batches changes the ops: resnet50's align from 64)
+TRACE_BATCHES = (2, 4, 8, 16, 32, 64, 128)
 
 _LOCK = threading.RLock()  # traces change global state (dispatch modes, seeds): one at a time
 
@@ -112,23 +115,32 @@ class CudaOverheads:
     ``:4096:8`` (8 x 4 MiB) from Hopper on (c10/cuda/CublasHandlePool.cpp).
     ``context_bytes``: the CUDA context with the kernel images of PyTorch,
     cuBLAS and cuDNN, outside the allocator, so device memory the allocator
-    cannot have. NVIDIA documents no figure; 512 MiB is the order of
-    magnitude reported for PyTorch processes with eager module loading, an
-    assumption until measured on the target (``torch.cuda.mem_get_info``
-    before and after the first CUDA call).
+    cannot have. NVIDIA documents no figure. Today's stack loads kernels
+    lazily (CUDA >= 11.7, PyTorch >= 1.13 sets ``CUDA_MODULE_LOADING=LAZY``):
+    512 MiB, the order reported for such processes ("around 400MB",
+    pytorch/pytorch#109888), an assumption until measured on the target
+    (``make gpu-check`` records it). The paper's stack (2022: PyTorch 1.12,
+    CUDA 11.x before lazy loading) loaded every kernel image when a library
+    loaded, "which took >1000MB" (pytorch/pytorch#107667, a PyTorch CUDA
+    maintainer; PR #86509 measured 667 MB eager vs 287 MB lazy before cuBLAS
+    or cuDNN load): `PAPER_CONTEXT_BYTES`, that lower bound.
     """
 
     cublas_workspace_bytes: int
     context_bytes: int
 
 
-def cuda_overheads(g: Gpu) -> CudaOverheads:
-    """The `CudaOverheads` of a GPU (none on the cpu target)."""
+CONTEXT_BYTES = 512 * 2 ** 20  # lazy module loading (today's stack)
+PAPER_CONTEXT_BYTES = 1000 * 2 ** 20  # eager module loading (the paper's 2022 stack): "took >1000MB"
+
+
+def cuda_overheads(g: Gpu, setup: str = "default") -> CudaOverheads:
+    """The `CudaOverheads` of a GPU (none on the cpu target) under a software `setup` (`momlab.workload.stack`)."""
     if g.kernels != "cuda":
         return CudaOverheads(0, 0)
     hopper = g.name.startswith(("H100", "H200"))  # sm90 gets the larger workspace
     cublas = 8 * 4 * 2 ** 20 if hopper else 2 * 4096 * 1024 + 8 * 16 * 1024
-    return CudaOverheads(cublas, 512 * 2 ** 20)
+    return CudaOverheads(cublas, PAPER_CONTEXT_BYTES if setup == "paper" else CONTEXT_BYTES)
 
 
 # -- tensors without data ------------------------------------------------------------------
@@ -379,8 +391,34 @@ class _Tracer(StorageTracker):
         self.fake_mode = fake_mode
         self.kernels = kernels
         self.log = None
+        self.events = None  # a list: every device allocation and free, in order (`allocation_events`)
         if kernels == "cuda":
             self.granule = ALLOCATOR_BLOCK
+
+    def _register(self, t, *, host, check):
+        if self.events is not None and not host and t.device.type in self.devices:
+            st = t.untyped_storage()
+            key, nbytes = st._cdata, st.nbytes()
+            entry = self._live.get(key)
+            old = 0 if entry is None else entry[0]
+            if old != nbytes:  # new, or resized by an out= op: the allocator frees and allocates
+                if old:
+                    self.events.append((key, allocator.FREE))
+                if nbytes:
+                    self.events.append((key, nbytes))
+        super()._register(t, host=host, check=check)
+
+    def _finalizer(self, key: int):
+        base = super()._finalizer(key)
+
+        def free(ref, self_ref=weakref.ref(self)):
+            tracer = self_ref()
+            if tracer is not None and tracer.events is not None:
+                entry = tracer._live.get(key)
+                if entry is not None and not entry[1] and entry[0]:
+                    tracer.events.append((key, allocator.FREE))
+            base(ref)
+        return free
 
     def start(self) -> None:
         self.log = {"live": [self.device_bytes], "flops": [], "extra": [], "bytes": [], "fmt": [], "op": [],
@@ -511,20 +549,24 @@ class _Session:
     """A workload with fake weights, warmed up once, traced at any batch size."""
 
     def __init__(self, model: str, mom: str, precision: str, size: dict, kernels: str, seed: int = 0,
-                 attention: str | None = None, setup: str = "default"):
+                 attention: str | None = None, setup: str = "default", batch_size: int = TRACE_BATCHES[0],
+                 events: list | None = None, workspace: int = 0):
         self.kernels = kernels
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         t0 = time.perf_counter()
         with _LOCK:
             with fake_mode, _AssumeScalars():
-                self.w = build(model, batch_size=TRACE_BATCHES[0], mom=mom, device="cpu", precision=precision,
+                self.w = build(model, batch_size=batch_size, mom=mom, device="cpu", precision=precision,
                                seed=seed, attention=attention, setup=setup, **size)
             if self.w.scaler is not None:
                 self.w.scaler = _FiniteScaler(self.w.scaler)
             self.tracer = _Tracer(fake_mode, kernels)
+            self.tracer.events = events
             # as measure: weights on the books, one warm-up step creates the optimizer state
             with _kernels(kernels, self.tracer), self.tracer:
                 self.tracer.track(self.w.state_tensors()["params"])
+                if events is not None and workspace:  # cuBLAS's workspace: allocated at the first matmul
+                    events.append(("cublas-workspace", workspace))
                 self.w.step()
         self.build_seconds = time.perf_counter() - t0
 
@@ -587,6 +629,8 @@ class Profile:
     attention: str | None = None  # the software stack traced (`momlab.workload.stack`)
     setup: str = "default"
     depths: tuple[int, int] | None = None  # unrolled from traces at these depths (`_unroll`); None: traced
+    # (batch, capacity, workspace) -> allocator.Replay; "events": the last replayed batch's allocation events
+    replays: dict = field(default_factory=dict, repr=False)
 
     @property
     def aligned(self) -> bool:
@@ -959,7 +1003,10 @@ class Estimate(StepRecord):
     Memory fields mean what they mean in `momlab.Measurement` (peak,
     params, grads, optimizer, activation, workspace, host), predicted from a
     trace. ``fits``: ``peak_bytes <= capacity_bytes`` (the GPU's memory, or a
-    budget). ``step_time_s`` is predicted whether or not it fits;
+    budget); with ``allocator="caching"``, PyTorch's caching allocator,
+    replayed on the traced allocations (`momlab.allocator`), served every one
+    of them within ``capacity_bytes`` (``reserved_bytes``: the most it
+    reserved, or would have reserved without the limit). ``step_time_s`` is predicted whether or not it fits;
     ``throughput`` is ``batch_size / step_time_s``, NaN when it does not fit.
     ``flops`` as torch's FlopCounterMode counts them on the target's kernels
     (on `cpu`, attention is not counted: torch's counter does not see the CPU
@@ -994,6 +1041,8 @@ class Estimate(StepRecord):
     cublas_workspace_bytes: int = 0
     context_bytes: int = 0
     rounding_bytes: int = 0
+    allocator: str = "ideal"  # what `fits` asked (`ALLOCATORS`)
+    reserved_bytes: int | None = None  # allocator="caching": what the replayed caching allocator reserved
 
     @property
     def device(self) -> str:
@@ -1025,15 +1074,15 @@ def _check_gpu_precision(g: Gpu, precision: str, tf32: bool) -> None:
         raise ValueError(f"{g.name} has no tf32 tensor cores; use tf32=False")
 
 
-def _capacity(g: Gpu, budget) -> int:
-    """Bytes the allocator may hold: a budget, else the GPU's memory less the CUDA context."""
-    return g.memory_bytes - cuda_overheads(g).context_bytes if budget is None else parse_bytes(budget)
+def _capacity(g: Gpu, budget, setup: str = "default") -> int:
+    """Bytes the allocator may hold: a budget, else the GPU's memory less the CUDA context of `setup`'s stack."""
+    return g.memory_bytes - cuda_overheads(g, setup).context_bytes if budget is None else parse_bytes(budget)
 
 
 def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kernels, interpolated, tf32,
                 prof: Profile):
     t = step_time(p, g, cal, tf32=tf32)
-    over = cuda_overheads(g)
+    over = cuda_overheads(g, prof.setup)
     peak = p.peak_bytes + over.cublas_workspace_bytes + p.rounding_bytes
     fits = peak <= capacity
     flops = float(p.flops.sum()) + (float(p.extra_flops.sum()) if kernels == "cuda" else 0.0)
@@ -1065,13 +1114,106 @@ def _max_batch(g: Gpu, prof: Profile, budget) -> int:
     """Largest batch whose traced peak plus the cuBLAS workspace and the allocator's round-up fits the
     allocator's capacity (the round-up taken at the larger trace: it grows with the count of live tensors,
     not with their size, so it is nearly constant in the batch)."""
-    return prof.max_batch_size(_capacity(g, budget) - cuda_overheads(g).cublas_workspace_bytes
+    return prof.max_batch_size(_capacity(g, budget, prof.setup) - cuda_overheads(g).cublas_workspace_bytes
                                - prof.hi.rounding_bytes)
+
+
+# -- the caching allocator: what a step reserves ---------------------------------------------
+
+# "ideal": the live tensors (with the allocator's 512-byte round-up and cuBLAS's workspace) must fit, as if every
+# freed byte could be reused; "caching": PyTorch's caching allocator replayed on a traced process
+# (`momlab.allocator`), whose cached, split segments can leave no block large enough (fragmentation)
+ALLOCATORS = ("ideal", "caching")
+# steps of a replayed process: the first creates gradients and optimizer state in the holes its activations
+# left, the later ones run in the segments those left
+REPLAY_STEPS = 3
+UNLIMITED = 2 ** 62  # a capacity no replay reaches: what a step would reserve if it could
+
+
+def allocation_events(model, mom: str = "exact", *, batch_size: int, precision: str = "fp32",
+                      attention: str | None = None, setup: str = "default", steps: int = REPLAY_STEPS,
+                      workspace: int = 0, **size) -> list:
+    """Every device allocation and free of a fresh CUDA process training at `batch_size`, in order.
+
+    The weights as built (one allocation each, as ``model.cuda()`` makes them), cuBLAS's `workspace` (bytes;
+    0: none), then `steps` training steps, traced without data as `profile` traces (a full trace at this
+    batch: about a second per thousand ops and step). Items are ``(key, nbytes)`` for an allocation and
+    ``(key, momlab.allocator.FREE)`` for a free: the input of `momlab.allocator.replay`.
+    """
+    check_batch_size(batch_size)
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+    model = resolve(model)
+    st = stack(model, setup, attention)
+    size = catalog.resolve_size(model, size)
+    events: list = []
+    with _LOCK:
+        session = _Session(model, parse_mom(mom), precision, size, "cuda", attention=st.attention,
+                           setup=st.setup, batch_size=batch_size, events=events, workspace=workspace)
+        with _kernels("cuda", session.tracer), session.tracer:
+            for _ in range(steps - 1):
+                session.w.step()
+        session.tracer.events = None  # the process ends here: its teardown is not part of the step
+        del session
+        gc.collect()
+    return events
+
+
+def _replay(g: Gpu, prof: Profile, batch_size: int, capacity: int) -> allocator.Replay:
+    """The caching allocator replayed on a fresh process of `prof`'s configuration at `batch_size` (cached)."""
+    workspace = cuda_overheads(g).cublas_workspace_bytes
+    key = (batch_size, capacity, workspace)
+    if key not in prof.replays:
+        last = prof.replays.get("events")  # the last batch's events: a search replays them twice
+        if last is None or last[0] != (batch_size, workspace):
+            last = prof.replays["events"] = ((batch_size, workspace), allocation_events(
+                prof.model, prof.mom, batch_size=batch_size, precision=prof.precision, attention=prof.attention,
+                setup=prof.setup, workspace=workspace, **prof.size))
+        prof.replays[key] = allocator.replay(last[1], capacity)
+    return prof.replays[key]
+
+
+def _check_caching(g: Gpu) -> None:
+    if g.kernels != "cuda":
+        raise ValueError(f"allocator='caching' replays CUDA's caching allocator: {g.name} is not a CUDA GPU; "
+                         f"valid allocators for it: 'ideal'")
+
+
+def _max_batch_caching(g: Gpu, prof: Profile, budget) -> int:
+    """Largest batch the replayed caching allocator serves within the capacity.
+
+    The ideal answer bounds it (the allocator's blocks hold at least the live bytes); below it, each failing
+    batch gives the next guess: the ideal answer for the capacity less the reserve that batch wanted beyond
+    its live peak (measured by a replay without a limit). A guess that fits is refined by bisection.
+    """
+    capacity = _capacity(g, budget, prof.setup)
+    top = _max_batch(g, prof, budget)
+    if top == 0 or _replay(g, prof, top, capacity).fits:
+        return top
+    fits, fails = 0, top
+    guess = top
+    while True:
+        unlimited = _replay(g, prof, guess, UNLIMITED)
+        extra = unlimited.peak_reserved - int(prof.at(guess).peak_bytes)  # the reserve beyond the live peak
+        guess = min(fails - 1, prof.max_batch_size(capacity - extra))
+        if guess <= fits:
+            break
+        if _replay(g, prof, guess, capacity).fits:
+            fits = guess
+            break
+        fails = guess
+    while fails - fits > 1:
+        mid = (fits + fails) // 2
+        if _replay(g, prof, mid, capacity).fits:
+            fits = mid
+        else:
+            fails = mid
+    return fits
 
 
 def estimate(model: str, mom: str = "exact", *, batch_size: int, gpu: str, precision: str = "fp32",
              budget=None, tf32: bool = False, trace: bool = False, results=None, attention: str | None = None,
-             setup: str = "default", **size) -> Estimate:
+             setup: str = "default", allocator: str = "ideal", **size) -> Estimate:
     """Predict one training configuration on `gpu` (a name from `momlab.gpus()`).
 
     `budget` replaces the GPU's memory as the capacity `fits` is judged
@@ -1079,30 +1221,50 @@ def estimate(model: str, mom: str = "exact", *, batch_size: int, gpu: str, preci
     (``torch.backends.cuda.matmul.allow_tf32``); `trace` traces this batch
     size rather than reading it off the cached pair of traces; `results`
     where measured records for calibration are (default results/*.jsonl);
-    `setup` and `attention` the software stack (`momlab.workload.stack`).
+    `setup` and `attention` the software stack (`momlab.workload.stack`);
+    `allocator` (`ALLOCATORS`) what `fits` asks: "ideal", the peak of live
+    bytes fits; "caching", PyTorch's caching allocator, replayed on a fresh
+    traced process at this batch, serves every allocation within the
+    capacity (``reserved_bytes``: what it reserved; a full trace, seconds).
 
     >>> e = estimate("bert-large", "ckpt", batch_size=256, gpu="A100-40")  # doctest: +SKIP
     >>> e.fits, format_bytes(e.peak_bytes), round(e.throughput)            # doctest: +SKIP
     """
     check_batch_size(batch_size)
+    check_choice("allocator", allocator, ALLOCATORS)
     g, prof = _prepare(model, mom, gpu, precision, tf32, size, attention, setup)
     cal = calibrate(gpu, results=results)
     p = prof.at(batch_size, trace=trace)
     interpolated = p is not prof.lo and p is not prof.hi and batch_size not in prof.direct
-    return _from_probe(p, model=model, mom=prof.mom, precision=precision, size=prof.size, g=g, cal=cal,
-                       capacity=_capacity(g, budget), kernels=g.kernels, interpolated=interpolated, tf32=tf32,
-                       prof=prof)
+    capacity = _capacity(g, budget, prof.setup)
+    e = _from_probe(p, model=model, mom=prof.mom, precision=precision, size=prof.size, g=g, cal=cal,
+                    capacity=capacity, kernels=g.kernels, interpolated=interpolated, tf32=tf32, prof=prof)
+    if allocator == "ideal":
+        return e
+    _check_caching(g)
+    r = _replay(g, prof, batch_size, capacity)
+    reserved = r.peak_reserved if r.fits else _replay(g, prof, batch_size, UNLIMITED).peak_reserved
+    return replace(e, fits=r.fits, throughput=e.throughput if r.fits else math.nan, allocator=allocator,
+                   reserved_bytes=reserved)
 
 
 def predict_max_batch(model: str, mom: str = "exact", *, gpu: str, precision: str = "fp32", budget=None,
-                      attention: str | None = None, setup: str = "default", **size) -> int:
+                      attention: str | None = None, setup: str = "default", allocator: str = "ideal",
+                      **size) -> int:
     """Largest batch size whose predicted peak fits `gpu`'s memory (or `budget`); 0 when none does.
 
-    Exact under the affine model (the closed form of the module docstring).
+    `allocator` "ideal": exact under the affine model (the closed form of the module docstring), in
+    microseconds once traced; "caching": the largest batch PyTorch's caching allocator, replayed on traced
+    processes, serves (`_max_batch_caching`; a few full traces, tens of seconds at real size), never more
+    than the ideal answer.
 
     >>> predict_max_batch("bert-large", "ckpt", gpu="A100-40")  # doctest: +SKIP
     """
+    check_choice("allocator", allocator, ALLOCATORS)
     g, prof = _prepare(model, mom, gpu, precision, False, size, attention, setup)
+    if allocator == "caching":
+        _check_caching(g)
+        return _max_batch_caching(g, prof, budget)
     return _max_batch(g, prof, budget)
 
 
@@ -1112,7 +1274,7 @@ def throughput_curve(model: str, mom: str = "exact", *, gpu: str, batch_sizes, p
     """Estimates at each of `batch_sizes` from one pair of traces (no tracing per point)."""
     g, prof = _prepare(model, mom, gpu, precision, tf32, size, attention, setup)
     cal = calibrate(gpu, results=results)
-    cap = _capacity(g, budget)
+    cap = _capacity(g, budget, prof.setup)
     return [_from_probe(prof.at(int(b)), model=model, mom=prof.mom, precision=precision, size=prof.size, g=g,
                         cal=cal, capacity=cap, kernels=g.kernels, interpolated=True, tf32=tf32, prof=prof)
             for b in batch_sizes]
@@ -1162,7 +1324,7 @@ def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers",
     full = catalog.resolve_size(model, size)
     check_choice(f"size keyword of {model}", dim, list(full))
     check_batch_size(batch_size)
-    cap = _capacity(g, budget)
+    cap = _capacity(g, budget, setup)
     step = size_step(model, dim, **size)
 
     cap -= cuda_overheads(g).cublas_workspace_bytes
@@ -1251,7 +1413,7 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
                 verb = "fits" if r["fits_at_batch"] else "does not fit"
                 speed = f", {r['throughput_at_batch']:.4g} samples/s" if r["fits_at_batch"] else ""
                 text.append(f"{r['mom']} at batch {batch_size}: {verb} ({format_bytes(r['peak_at_batch'])} of "
-                            f"{format_bytes(_capacity(get_gpu(gpu), budget))}){speed}")
+                            f"{format_bytes(_capacity(get_gpu(gpu), budget, setup))}){speed}")
     out = {"model": name_of(model), "gpu": gpu, "precision": precision, "size": catalog.resolve_size(model, size),
            "rows": rows, "s1": s1, "calibrated": calibrate(gpu, results=results).calibrated}
     if dim is not None:

@@ -41,6 +41,7 @@ from momlab.device import meminfo
 from momlab.errors import check_choice
 
 GiB = 2 ** 30
+MiB = 2 ** 20
 TERA = 1e12
 GB_S = 1e9
 
@@ -121,10 +122,13 @@ def _tf(fp32=None, tf32=None, bf16=None, fp16=None) -> dict:
 _CATALOG: dict[str, Gpu] = {g.name: g for g in (
     # NVIDIA V100 Tensor Core GPU datasheet (2020), SXM2: FP32 15.7 TFLOPS, Tensor 125 TFLOPS (fp16),
     # HBM2 900 GB/s; the host link is PCIe gen3 x16 (NVLink connects GPUs only, except on POWER9).
-    # Volta has no tf32 or bf16 tensor cores.
-    Gpu("V100-16", 16 * GiB, _tf(fp32=15.7, fp16=125), 900 * GB_S, "PCIe gen3 x16", PCIE[3],
+    # Volta has no tf32 or bf16 tensor cores. Memory as the cards report it (what the allocator can have
+    # before the CUDA context), not the marketing GiB: nvidia-smi's total is 16160 MiB on a
+    # V100-SXM2-16GB (github.com/4paradigm/k8s-vgpu-scheduler/issues/7) and 32480 MiB on a V100-SXM2-32GB
+    # (github.com/godweiyang/GrabGPU/issues/5)
+    Gpu("V100-16", 16160 * MiB, _tf(fp32=15.7, fp16=125), 900 * GB_S, "PCIe gen3 x16", PCIE[3],
         pinned_bandwidth=PINNED[3], patterns=(r"V100.*16\s*GB",), source="NVIDIA V100 datasheet (SXM2)"),
-    Gpu("V100-32", 32 * GiB, _tf(fp32=15.7, fp16=125), 900 * GB_S, "PCIe gen3 x16", PCIE[3],
+    Gpu("V100-32", 32480 * MiB, _tf(fp32=15.7, fp16=125), 900 * GB_S, "PCIe gen3 x16", PCIE[3],
         pinned_bandwidth=PINNED[3], patterns=(r"V100.*32\s*GB",), source="NVIDIA V100 datasheet (SXM2)"),
     # NVIDIA T4 datasheet: FP32 8.1 TFLOPS, mixed precision (fp16/fp32) 65 TFLOPS, GDDR6 320 GB/s,
     # 16 GB, PCIe gen3 x16. Turing has no tf32 or bf16 tensor cores.
@@ -152,7 +156,7 @@ _CATALOG: dict[str, Gpu] = {g.name: g for g in (
     # TFLOPS, * with sparsity), HBM3e "141 GB" at 4.8 TB/s, PCIe gen5 x16 to the host. Capacity as
     # the card reports it: nvidia-smi read 143771 MiB on this workplace's H200s (2026-10-27, driver
     # 580.159); the datasheet's rounded "141 GB" read as GiB overstated it by 0.6 GiB.
-    Gpu("H200-141", 143771 * (1 << 20), _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 4800 * GB_S,
+    Gpu("H200-141", 143771 * MiB, _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 4800 * GB_S,
         "PCIe gen5 x16", PCIE[5], pinned_bandwidth=PINNED[5], patterns=(r"H200",), source="NVIDIA H200 datasheet (SXM)"),
     # NVIDIA Ada Lovelace architecture whitepaper (v1.1), GeForce RTX 4090: FP32 82.6 TFLOPS; tensor
     # FP16 and BF16 with FP32 accumulate (what PyTorch uses) 165.2 dense, TF32 82.6 dense;

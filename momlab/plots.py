@@ -779,11 +779,14 @@ def prediction_scatter(table: pd.DataFrame, *, title: str | None = "Predicted vs
         ax.set_xscale("log")
         ax.set_yscale("log")
     ax.set_xlabel("paper, one V100: maximum batch (midpoint of last fit and first OOM)")
-    ax.set_ylabel("momlab, predicted (not measured)")
+    allocator = rows["allocator"].iloc[0] if "allocator" in rows and len(rows) else "ideal"
+    how = {"caching": "replayed caching allocator", "ideal": "live peak, no fragmentation"}.get(allocator, allocator)
+    ax.set_ylabel(f"momlab, predicted (not measured; {how})")
     ax.legend(fontsize=7, loc="upper left")
     ax.text(0.99, 0.01, "hollow: another system in the paper, or a lower bound", transform=ax.transAxes,
             ha="right", va="bottom", fontsize=6)
-    _title(fig, title, "predicted with the paper's software stack; measured: the paper's V100 runs")
+    _title(fig, title, f"predicted with the paper's software stack, allocator={allocator}; "
+                       "measured: the paper's V100 runs")
     return fig
 
 

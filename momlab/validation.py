@@ -42,7 +42,9 @@ import numpy as np
 import pandas as pd
 
 from momlab import reference
-from momlab.estimate import best_throughput, calibrate, estimate, predict_max_batch, profile, throughput_curve
+from momlab.errors import check_choice
+from momlab.estimate import (ALLOCATORS, best_throughput, calibrate, estimate, predict_max_batch, profile,
+                             throughput_curve)
 
 GPU = "V100-16"
 MODELS = ["resnet50", "wide-resnet50-2", "swin-large", "bert-large", "gpt3-small", "gpt3-medium"]
@@ -235,26 +237,31 @@ def ratio_text(table: pd.DataFrame) -> str:
 
 # -- memory: maximum batch, breakdowns, per-sample slopes --------------------------------------
 
-def _predict(model: str, mom: str, setup: str) -> tuple[int | None, str]:
+def _predict(model: str, mom: str, setup: str, allocator: str = "ideal") -> tuple[int | None, str]:
     """Predicted max batch, or None with the reason it cannot be predicted."""
     try:
         return predict_max_batch(model, mom, gpu=GPU, precision=reference.PRECISION[model],
-                                           setup=setup), ""
-    except ValueError as exc:  # a paper label momlab has no MOM for (ckpt-dtr, cpu-off)
+                                 setup=setup, allocator=allocator), ""
+    except (ValueError, RuntimeError) as exc:  # a paper label momlab has no MOM for; traces that do not align
         return None, str(exc).splitlines()[0]
 
 
-def max_batch_table(models=None, moms=None, *, setup: str = "paper") -> pd.DataFrame:
+def max_batch_table(models=None, moms=None, *, setup: str = "paper", allocator: str = "caching") -> pd.DataFrame:
     """Predicted vs the paper's maximum batch on one V100, one row per (model, MOM).
 
     `models` default `MEMORY_MODELS`; `moms`: None for every MOM the paper ran on
     each model, or a list (a MOM the paper did not run on a model gives a
-    row marked "no paper data"). Columns: model, mom, precision,
-    paper_max_batch (largest that fit), paper_oom_batch (smallest that
-    failed, <NA> when none recorded), paper_point (the comparison point),
-    predicted_max_batch, error (predicted / paper_point - 1), comparable
-    (False for another system or no data), note.
+    row marked "no paper data"). `allocator` (`momlab.estimate.ALLOCATORS`):
+    "caching" replays PyTorch's caching allocator on traced processes (a few
+    full traces per row: minutes for the default models), "ideal" takes the
+    live peak alone (the closed form, seconds). Columns: model, mom,
+    precision, paper_max_batch (largest that fit), paper_oom_batch (smallest
+    that failed, <NA> when none recorded), paper_point (the comparison
+    point), predicted_ideal (the ideal allocator's), predicted_max_batch
+    (`allocator`'s), allocator, error (predicted / paper_point - 1),
+    comparable (False for another system or no data), note.
     """
+    check_choice("allocator", allocator, ALLOCATORS)
     models = MEMORY_MODELS if models is None else list(models)
     s1 = reference.paper_s1()
     rows = []
@@ -280,18 +287,21 @@ def max_batch_table(models=None, moms=None, *, setup: str = "paper") -> pd.DataF
             if (model, mom) in OTHER_SYSTEM:
                 notes.append(OTHER_SYSTEM[(model, mom)])
                 comparable = False
-            predicted, why = _predict(model, mom, setup)
+            ideal, why = _predict(model, mom, setup)
+            predicted = ideal if allocator == "ideal" or ideal is None else _predict(model, mom, setup, allocator)[0]
             if predicted is None:
                 notes.append(f"not predicted: {why}")
                 comparable = False
+            row["predicted_ideal"] = pd.NA if ideal is None else ideal
             row["predicted_max_batch"] = pd.NA if predicted is None else predicted
+            row["allocator"] = allocator
             point = row["paper_point"]
             row["error"] = (predicted / point - 1) if predicted is not None and point == point else math.nan
             row["comparable"] = comparable
             row["note"] = "; ".join(notes)
             rows.append(row)
     out = pd.DataFrame(rows)
-    for col in ("paper_max_batch", "paper_oom_batch", "predicted_max_batch"):
+    for col in ("paper_max_batch", "paper_oom_batch", "predicted_ideal", "predicted_max_batch"):
         out[col] = out[col].astype("Int64")
     return out
 

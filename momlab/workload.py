@@ -25,7 +25,11 @@ transformers' GPT-2 uses the tanh approximation, whose pow and tanh CUDA
 autocast runs in fp32, keeping several fp32 copies of the MLP's widest
 tensor; and gradients are zeroed in place rather than freed, as
 ``zero_grad()`` did before torch 2.0, so they stay allocated through the next
-forward). An explicit `attention` overrides the setup's.
+forward; Swin's training script wraps the model in DistributedDataParallel even
+on one GPU, whose reducer keeps a second, flat copy of the gradients, its
+buckets: the GACT benchmark's Swin main.py, and the paper's Swin records,
+whose model-related memory is five copies of the weights). An explicit
+`attention` overrides the setup's.
 """
 
 from __future__ import annotations
@@ -82,13 +86,17 @@ class Stack:
     optimizer: str  # adamw | adam | sgd
     activation: str | None = None  # GPT's MLP activation replaced by this (transformers' ACT2FN name); None: keep
     grads_to_none: bool = True  # zero_grad(set_to_none=...): torch >= 2.0's default frees the gradients
+    # DistributedDataParallel on one GPU (Swin's main.py always wraps the model): its reducer keeps the gradients'
+    # bucket buffers (gradient_as_bucket_view=False, the default), one more copy of the gradients; with ranks, the
+    # parallel strategy's own buffers replace them (`momlab.distributed.parallelize`)
+    ddp_buckets: bool = False
 
 
 def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
     """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
 
     >>> stack("bert-large", "paper")
-    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False)
+    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False)
     >>> stack("gpt3-small", attention="eager").optimizer
     'adamw'
     """
@@ -105,7 +113,8 @@ def stack(model: str, setup: str = "default", attention: str | None = None) -> S
     # a transformers config or a user's module keeps its own optimizer: the paper never ran it
     optimizer = _PAPER_OPTIMIZER.get(family, spec.optimizer) if setup == "paper" else spec.optimizer
     paper = setup == "paper"
-    return Stack(setup, attention, optimizer, "gelu" if paper and family == "gpt" else None, not paper)
+    return Stack(setup, attention, optimizer, "gelu" if paper and family == "gpt" else None, not paper,
+                 paper and family == "swin")
 
 
 @dataclass
@@ -131,6 +140,8 @@ class Workload:
     generator: torch.Generator | None = None
     rng_state: dict | None = None  # the global generators' state this workload's steps continue from
     grads_to_none: bool = True  # free the gradients after the optimizer step (else zero them in place)
+    ddp_buckets: bool = False  # keep DistributedDataParallel's gradient buckets (`Stack.ddp_buckets`)
+    buckets: list | None = None  # those buffers, one per gradient dtype, made before the first forward
 
     @contextmanager
     def _own_rng(self):
@@ -158,6 +169,14 @@ class Workload:
             return self._step(batch, on_forward_end, on_backward_end)
 
     def _step(self, batch, on_forward_end, on_backward_end) -> float:
+        if self.ddp_buckets and self.buckets is None:
+            # DDP's reducer makes them when it wraps the model, before any step: here, so that the step's memory
+            # accounting (measure's, a trace's) sees the allocation
+            sizes: dict = {}
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+            self.buckets = [torch.empty(n, dtype=dt, device=self.device) for dt, n in sizes.items()]
         inputs = self.batch() if batch is None else batch
         context = self.handle.context() if self.handle is not None else nullcontext()
         with autocast(self.device, self.precision), context:
@@ -199,7 +218,7 @@ class Workload:
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The resident tensors by category: params (with buffers), grads, optimizer."""
         params = list(self.model.parameters()) + list(self.model.buffers())
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None] + list(self.buckets or ())
         opt = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         return {"params": params, "grads": grads, "optimizer": opt}
 
@@ -250,12 +269,12 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     gen = torch.Generator().manual_seed(seed)
     options = {
         "optimizer": st.optimizer, "foreach": FOREACH, "setup": st.setup, "activation": st.activation,
-        "grads_to_none": st.grads_to_none,
+        "grads_to_none": st.grads_to_none, "ddp_buckets": st.ddp_buckets,
         "attn_implementation": getattr(getattr(net, "config", None), "_attn_implementation", None),
     }
     # steps continue the global stream from where the model's initialization left it (see _own_rng)
     return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen,
-                    _rng_state(dev), st.grads_to_none)
+                    _rng_state(dev), st.grads_to_none, st.ddp_buckets)
 
 
 def _rng_state(device: torch.device) -> dict:
