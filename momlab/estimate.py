@@ -629,8 +629,9 @@ class Profile:
     attention: str | None = None  # the software stack traced (`momlab.workload.stack`)
     setup: str = "default"
     depths: tuple[int, int] | None = None  # unrolled from traces at these depths (`_unroll`); None: traced
-    # (batch, capacity, workspace) -> allocator.Replay; "events": the last replayed batch's allocation events
-    replays: dict = field(default_factory=dict, repr=False)
+    replays: dict = field(default_factory=dict, repr=False)  # (batch, capacity, workspace) -> allocator.Replay
+    # the last replayed batch's ((batch, workspace), allocation events): a search replays them twice
+    _events: tuple | None = field(default=None, repr=False)
 
     @property
     def aligned(self) -> bool:
@@ -1164,9 +1165,9 @@ def _replay(g: Gpu, prof: Profile, batch_size: int, capacity: int) -> allocator.
     workspace = cuda_overheads(g).cublas_workspace_bytes
     key = (batch_size, capacity, workspace)
     if key not in prof.replays:
-        last = prof.replays.get("events")  # the last batch's events: a search replays them twice
+        last = prof._events
         if last is None or last[0] != (batch_size, workspace):
-            last = prof.replays["events"] = ((batch_size, workspace), allocation_events(
+            last = prof._events = ((batch_size, workspace), allocation_events(
                 prof.model, prof.mom, batch_size=batch_size, precision=prof.precision, attention=prof.attention,
                 setup=prof.setup, workspace=workspace, **prof.size))
         prof.replays[key] = allocator.replay(last[1], capacity)
@@ -1232,6 +1233,8 @@ def estimate(model: str, mom: str = "exact", *, batch_size: int, gpu: str, preci
     """
     check_batch_size(batch_size)
     check_choice("allocator", allocator, ALLOCATORS)
+    if allocator == "caching":
+        _check_caching(get_gpu(gpu))  # before any trace
     g, prof = _prepare(model, mom, gpu, precision, tf32, size, attention, setup)
     cal = calibrate(gpu, results=results)
     p = prof.at(batch_size, trace=trace)
@@ -1241,7 +1244,6 @@ def estimate(model: str, mom: str = "exact", *, batch_size: int, gpu: str, preci
                     capacity=capacity, kernels=g.kernels, interpolated=interpolated, tf32=tf32, prof=prof)
     if allocator == "ideal":
         return e
-    _check_caching(g)
     r = _replay(g, prof, batch_size, capacity)
     reserved = r.peak_reserved if r.fits else _replay(g, prof, batch_size, UNLIMITED).peak_reserved
     return replace(e, fits=r.fits, throughput=e.throughput if r.fits else math.nan, allocator=allocator,
@@ -1261,9 +1263,10 @@ def predict_max_batch(model: str, mom: str = "exact", *, gpu: str, precision: st
     >>> predict_max_batch("bert-large", "ckpt", gpu="A100-40")  # doctest: +SKIP
     """
     check_choice("allocator", allocator, ALLOCATORS)
+    if allocator == "caching":
+        _check_caching(get_gpu(gpu))  # before any trace
     g, prof = _prepare(model, mom, gpu, precision, False, size, attention, setup)
     if allocator == "caching":
-        _check_caching(g)
         return _max_batch_caching(g, prof, budget)
     return _max_batch(g, prof, budget)
 
