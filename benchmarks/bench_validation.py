@@ -11,7 +11,8 @@ Prints, in one run:
    replayed; the ideal allocator's answer beside it) vs the paper's measured
    maximum batch per (model, MOM) on one V100, the error per row, and the
    median absolute error over the comparable rows (targets: every row
-   within 15%, median at most 8%).
+   within 15%, median at most 8%), also over those whose paper run stopped
+   at GPU memory by the paper's own records (`validation.paper_headroom`).
 3. The memory breakdown at the paper's batch sizes and the per-sample
    slopes, predicted vs measured.
 
@@ -75,13 +76,18 @@ def main() -> None:
     models = ["resnet50", "bert-large"] if args.quick else validation.MEMORY_MODELS
     table, secs = _timed(lambda: validation.max_batch_table(models))
     cols = ["model", "mom", "precision", "paper_max_batch", "paper_oom_batch", "paper_point",
-            "predicted_ideal", "predicted_max_batch", "error", "comparable", "note"]
+            "predicted_ideal", "predicted_max_batch", "error", "paper_headroom", "gpu_bound", "comparable", "note"]
     print(f"\npredicted (setup='paper', allocator='caching'; predicted_ideal: without fragmentation) vs the "
           f"paper's V100 maximum batch ({secs:.0f} s)")
     print(table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     s = validation.max_batch_summary(table)
     print(f"\ncomparable rows {s['rows']}: median |error| {s['median_abs_error']:.1%} (target <= 8%), "
           f"max {s['max_abs_error']:.1%}, within 15%: {s['within_15pct']}/{s['rows']}")
+    print(f"of them, the {s['rows_gpu_bound']} whose paper run stopped at GPU memory by its own records "
+          f"(paper_headroom >= {validation.GPU_BOUND_HEADROOM}): median |error| {s['median_abs_error_gpu_bound']:.1%}, "
+          f"max {s['max_abs_error_gpu_bound']:.1%}, within 15%: {s['within_15pct_gpu_bound']}/{s['rows_gpu_bound']}")
+    print("\nthe paper against itself: where each run stopped vs the batch its own peak records fill the card at")
+    print(validation.paper_headroom(models).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     print("\nmemory breakdown at the paper's batch sizes (exact)")
     print(validation.breakdown_table(models).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     print("\npeak bytes per sample")

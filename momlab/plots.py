@@ -753,7 +753,8 @@ def prediction_scatter(table: pd.DataFrame, *, title: str | None = "Predicted vs
                        band: float = 0.15) -> Figure:
     """One point per row of `momlab.validation.max_batch_table`: the paper's comparison point (x) against
     the predicted maximum batch (y), log-log, the diagonal and a +-`band` band drawn. Rows the paper ran
-    with another system, or gave only a lower bound, are hollow; rows with no paper data are not drawn."""
+    with another system, gave only a lower bound, or whose run its own memory records show was not stopped by
+    GPU memory (``gpu_bound``), are hollow; rows with no paper data are not drawn."""
     fig = Figure(figsize=(5.6, 4.8), layout="constrained")
     ax = fig.add_subplot()
     rows = table[table["paper_point"].notna() & table["predicted_max_batch"].notna()]
@@ -761,6 +762,8 @@ def prediction_scatter(table: pd.DataFrame, *, title: str | None = "Predicted vs
     for i, model in enumerate(models):
         g = rows[rows["model"] == model]
         solid = g["comparable"] & ~g["note"].str.contains("lower bound")
+        if "gpu_bound" in g:
+            solid &= g["gpu_bound"]
         color = _CB[i % len(_CB)]
         ax.scatter(g.loc[solid, "paper_point"], g.loc[solid, "predicted_max_batch"].astype(float), color=color,
                    label=model, s=36, zorder=3)
@@ -783,7 +786,8 @@ def prediction_scatter(table: pd.DataFrame, *, title: str | None = "Predicted vs
     how = {"caching": "replayed caching allocator", "ideal": "live peak, no fragmentation"}.get(allocator, allocator)
     ax.set_ylabel(f"momlab, predicted (not measured; {how})")
     ax.legend(fontsize=7, loc="upper left")
-    ax.text(0.99, 0.01, "hollow: another system in the paper, or a lower bound", transform=ax.transAxes,
+    ax.text(0.99, 0.01, "hollow: another system in the paper, a lower bound, or a paper run\n"
+            "its own memory records show was not stopped by GPU memory", transform=ax.transAxes,
             ha="right", va="bottom", fontsize=6)
     _title(fig, title, f"predicted with the paper's software stack, allocator={allocator}; "
                        "measured: the paper's V100 runs")

@@ -211,5 +211,28 @@ def test_max_batch_table_rows_and_marks(monkeypatch):
     assert not dtr.comparable and "DTR" in dtr.note and "no failing batch" in dtr.note
     none = validation.max_batch_table(["resnet50"], ["quant4+ckpt"]).iloc[0]
     assert none.note == "no paper data" and not none.comparable and none.predicted_max_batch == 45
+    # resnet50's swap run stopped at 40% of the batch its own peak records fill the card at: marked, kept
+    swap = t[(t.model == "resnet50") & (t.mom == "swap")].iloc[0]
+    assert swap.comparable and not swap.gpu_bound and "not GPU memory" in swap.note
+    assert swap.paper_headroom == pytest.approx(0.40, abs=0.01)
+    exact = t[(t.model == "resnet50") & (t.mom == "exact")].iloc[0]
+    assert exact.gpu_bound and "not GPU memory" not in exact.note
     s = validation.max_batch_summary(t)
     assert s["rows"] == int(t.comparable.sum())
+    assert s["rows_gpu_bound"] == int((t.comparable & t.gpu_bound).sum()) < s["rows"]
+
+
+def test_paper_headroom_from_the_papers_records_alone():
+    h = validation.paper_headroom().set_index(["model", "mom"])
+    # the paper's exact runs stopped where their allocated memory filled the card (less the paper's context)
+    for model in ("resnet50", "wide-resnet50-2", "resnet152", "swin-large"):
+        assert 0.9 <= h.loc[(model, "exact"), "headroom"] <= 1.0, model
+    # by hand from its resnet50 exact sweep: 13.87 GiB at batch 168, 86.6 MB per sample, 16160 - 1000 MiB usable
+    assert h.loc[("resnet50", "exact"), "records_full_batch"] == pytest.approx(
+        168 + ((16160 - 1000) * 2**20 - 13.87 * 2**30) / 86.6e6, abs=1.5)
+    # swap runs stopped far earlier: host memory, which the records of the GPU cannot show
+    assert h.loc[("wide-resnet50-2", "swap"), "headroom"] < 0.2
+    assert h.loc[("resnet50", "swap"), "headroom"] < validation.GPU_BOUND_HEADROOM
+    # no failing run recorded: nothing stopped it, no headroom
+    assert h.loc[("swin-large", "quant4"), "headroom"] != h.loc[("swin-large", "quant4"), "headroom"]
+    assert list(validation.paper_headroom(["bert-large"])["model"].unique()) == ["bert-large"]
