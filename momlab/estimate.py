@@ -983,9 +983,9 @@ def _load(path: Path, key: dict) -> list[Probe] | None:
         return None
 
 
-def _trace_at(model, mom, precision, size, batch_size, kernels) -> Probe:
-    """The traced step of one configuration (the time model's `trace`)."""
-    return profile(model, mom, precision=precision, kernels=kernels, **size).at(batch_size)
+def _trace_at(model, mom, precision, size, batch_size, kernels, setup="default") -> Probe:
+    """The traced step of one configuration (the time model's `trace`), with its record's software stack."""
+    return profile(model, mom, precision=precision, kernels=kernels, setup=setup, **size).at(batch_size)
 
 
 def calibrate(gpu: str, *, results=None, max_records: int = 4, quick: bool = True,
@@ -1080,9 +1080,19 @@ def _capacity(g: Gpu, budget, setup: str = "default") -> int:
     return g.memory_bytes - cuda_overheads(g, setup).context_bytes if budget is None else parse_bytes(budget)
 
 
+def swap_schedule(mom, setup: str = "default") -> str:
+    """How a configuration's swap copies share the GPU with compute (`momlab.timemodel.SWAP_SCHEDULES`):
+    momlab's swap overlaps them ("overlap"); the paper's stack ran GACT's, which issues them on the compute
+    stream ("serial"), prefetching the copies back only when it quantizes too ("serial-forward")."""
+    mom = parse_mom(mom)
+    if setup != "paper" or not mom.has("swap"):
+        return "overlap"
+    return "serial-forward" if any(part.startswith("quant") for part in mom.parts) else "serial"
+
+
 def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kernels, interpolated, tf32,
                 prof: Profile):
-    t = step_time(p, g, cal, tf32=tf32)
+    t = step_time(p, g, cal, tf32=tf32, swap=swap_schedule(prof.mom, prof.setup))
     over = cuda_overheads(g, prof.setup)
     peak = p.peak_bytes + over.cublas_workspace_bytes + p.rounding_bytes
     fits = peak <= capacity

@@ -21,10 +21,13 @@ must predict, from first principles on top of the fitted device:
   (torch.compile): the trace marks their ops as a group, costed as one kernel
   moving the group's inputs and outputs at memory bandwidth (plus a launch);
   the ops around them (casts, the rounding noise, copies) stay ops;
-- swap's device-to-host copies run on a side stream beside forward compute,
-  and the prefetches beside backward compute: each phase takes
-  ``max(its compute, host bytes / the link's effective pinned bandwidth)``
-  (`Gpu.pinned_bandwidth`), the optimizer step after them;
+- swap's copies move the host bytes each way at the link's effective pinned
+  bandwidth (`Gpu.pinned_bandwidth`); how they share the GPU with compute is
+  the swap implementation's (`SWAP_SCHEDULES`, `swap_phases`). momlab's swap
+  copies on side streams, device-to-host beside forward compute and the
+  prefetches beside backward compute: each phase takes ``max(its compute,
+  its copies)``. The paper's (GACT) issues its copies on the compute stream,
+  where they add to it. The optimizer step comes after them;
 - combinations are these parts applied to the combination's own trace.
 
 Without records of a device, defaults are used and the estimate says
@@ -50,6 +53,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from momlab.errors import check_choice
 from momlab.gpus import DEFAULT_EFFICIENCY, Gpu
 from momlab.gpus import get as get_gpu
 
@@ -139,6 +143,35 @@ def op_seconds(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False) -> tuple[
     return t, fused
 
 
+# How swap's copies share the GPU with compute (`step_time`'s `swap`), per implementation:
+# "overlap": momlab's swap (momlab/moms/swap.py): side streams, device-to-host beside forward compute, the
+#   prefetches beside backward compute (`swap_overlap`);
+# "serial": the paper's vanilla swap (GACT-ICML gact/controller.py, level "swap"): each saved tensor is copied
+#   with `copy_(non_blocking=True)` on the compute stream in forward and `.cuda(non_blocking=True)` on it when
+#   backward unpacks it, no prefetch: both directions add to compute;
+# "serial-forward": the paper's quantize+swap (gact/quantizer.py, level "L4bit-swap"): the device-to-host copy
+#   is issued on the compute stream (its side-stream lines are commented out), the copies back are prefetched
+#   one tensor ahead on a side stream: forward's copies add to compute, backward's overlap it.
+SWAP_SCHEDULES = ("overlap", "serial", "serial-forward")
+
+
+def swap_phases(forward_s: float, backward_s: float, copy_s: float,
+                schedule: str = "overlap") -> tuple[float, float]:
+    """Forward and backward phase times with swap's copies of `copy_s` seconds per direction, under a
+    `SWAP_SCHEDULES` schedule.
+
+    >>> swap_phases(1.0, 2.0, 1.5, "serial-forward")
+    (2.5, 2.0)
+    >>> swap_phases(1.0, 2.0, 1.5, "serial")
+    (2.5, 3.5)
+    """
+    check_choice("swap schedule", schedule, SWAP_SCHEDULES)
+    if schedule == "overlap":
+        return swap_overlap(forward_s, backward_s, copy_s)
+    backward = backward_s + copy_s if schedule == "serial" else max(backward_s, copy_s)
+    return forward_s + copy_s, backward
+
+
 def swap_overlap(forward_s: float, backward_s: float, copy_s: float) -> tuple[float, float]:
     """Forward and backward phase times with swap's copies of `copy_s` seconds per direction.
 
@@ -154,8 +187,10 @@ def swap_overlap(forward_s: float, backward_s: float, copy_s: float) -> tuple[fl
     return max(forward_s, copy_s), max(backward_s, copy_s)
 
 
-def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False) -> StepTime:
-    """The predicted step of trace `p` on `gpu` (module docstring)."""
+def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str = "overlap") -> StepTime:
+    """The predicted step of trace `p` on `gpu` (module docstring); `swap`: how its swap copies share the GPU
+    with compute (`SWAP_SCHEDULES`)."""
+    check_choice("swap schedule", swap, SWAP_SCHEDULES)
     compute, memory = _roofline(p, gpu, tf32)
     per_op = np.maximum(compute, memory)
     ideal = float(per_op.sum())
@@ -172,9 +207,9 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False) -> StepTim
         return StepTime(total, **parts, transfer_s=0.0, forward_s=fwd, backward_s=bwd, optimizer_s=opt)
     copy = p.host_bytes / gpu.pinned_bandwidth
     if fwd_n == bwd_n == n:
-        f, b = max(fwd, 2 * copy), 0.0
+        f, b = (max(fwd, 2 * copy) if swap == "overlap" else fwd + 2 * copy), 0.0
     else:
-        f, b = swap_overlap(fwd, bwd, copy)
+        f, b = swap_phases(fwd, bwd, copy, swap)
     total = f + b + opt
     return StepTime(total, **parts, transfer_s=2 * copy, forward_s=fwd, backward_s=bwd, optimizer_s=opt,
                     fused_s=fused, exposed_transfer_s=total - (fwd + bwd + opt))
@@ -285,7 +320,8 @@ def reference_records(gpu_name: str) -> list[dict]:
     """The paper's Exact runs on one GPU (momlab/reference) as records of `gpu_name`, when it is that GPU.
 
     Every timed batch size of every model of the paper's S1 sweeps, at the
-    paper's precision and default size; its MOM rows are left out.
+    paper's precision and default size, traced with the paper's software
+    stack (``setup="paper"``, `momlab.workload.stack`); its MOM rows are left out.
     """
     from momlab import catalog, reference
 
@@ -300,7 +336,8 @@ def reference_records(gpu_name: str) -> list[dict]:
             continue
         bs = int(r.batch_size)
         out.append({"model": r.model, "mom": "exact", "precision": r.precision, "size": {}, "batch_size": bs,
-                    "step_time_s": bs / float(r.throughput), "_from": f"paper {reference.GPU} ({r.source})"})
+                    "setup": "paper", "step_time_s": bs / float(r.throughput),
+                    "_from": f"paper {reference.GPU} ({r.source})"})
     return out
 
 
@@ -447,10 +484,10 @@ def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "") -> Calibratio
                         residuals=tuple(float(r) for r in res))
 
 
-def _ideal(model, mom, precision, size, batch_size, gpu, trace, tf32=False) -> tuple[float, int]:
+def _ideal(model, mom, precision, size, batch_size, gpu, trace, tf32=False, setup="default") -> tuple[float, int]:
     """Roofline seconds (at 100% efficiency) and op count of one configuration; `trace` gives its step:
-    ``trace(model, mom, precision, size, batch_size, kernels)``."""
-    p = trace(model, mom, precision, size, batch_size, gpu.kernels)
+    ``trace(model, mom, precision, size, batch_size, kernels, setup)``."""
+    p = trace(model, mom, precision, size, batch_size, gpu.kernels, setup)
     compute, memory = _roofline(p, gpu, tf32)
     return float(np.maximum(compute, memory).sum()), len(p.flops)
 
@@ -487,7 +524,7 @@ def calibrate(gpu: str, *, trace, results=None, max_records: int = 4, quick: boo
             points = []
             for r in records:
                 ideal, n = _ideal(r["model"], r["mom"], r["precision"], r.get("size") or {}, r["batch_size"], g,
-                                  trace)
+                                  trace, setup=r.get("setup") or "default")
                 points.append((ideal, n, float(r["step_time_s"])))
             if points:
                 cal = _fit(g, points, gpu, f"{len(points)} measured Exact record(s) in "
@@ -501,8 +538,8 @@ def calibrate(gpu: str, *, trace, results=None, max_records: int = 4, quick: boo
             records = own + (reference_records(gpu) if reference else [])
             records = [r for r in records if g.peak(r["precision"])]
             if records:
-                probes = [trace(r["model"], "exact", r["precision"], r.get("size") or {}, r["batch_size"], g.kernels)
-                          for r in records]
+                probes = [trace(r["model"], "exact", r["precision"], r.get("size") or {}, r["batch_size"], g.kernels,
+                                r.get("setup") or "default") for r in records]
                 sources = sorted({r["_from"].split(" (")[0] for r in records})
                 cal = fit_gpu(g, probes, [float(r["step_time_s"]) for r in records], map(_label, records),
                               f"{len(records)} measured Exact record(s): {', '.join(sources)}")

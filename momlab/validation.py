@@ -30,9 +30,11 @@ Memory, predicted with the paper's own software stack (``setup="paper"``,
   `GPU_BOUND_HEADROOM` (``gpu_bound=False``, kept comparable) and
   `max_batch_summary` gives their median error both with and without them.
 
-Speed: the calibration uses only the paper's Exact rows; the MOM rows and
-the depth study (`s1_table`, `verdicts`, `curves`, `depth_curves`,
-`crossing`, `summary`) are what this checks the time model against.
+Speed, with the same stack: the calibration uses only the paper's Exact
+rows (traced with the paper's stack); the MOM rows and the depth study
+(`s1_table`, `verdicts`, `curves`, `depth_curves`, `crossing`, `summary`)
+are what this checks the time model against. The paper's swap was GACT's,
+whose copies run on the compute stream (`momlab.estimate.swap_schedule`).
 
 Rows where the paper's MOM is another system than momlab's are shown and
 marked (``comparable=False``, `OTHER_SYSTEM`): ResNet "Checkpoint" was DTR
@@ -51,10 +53,12 @@ import pandas as pd
 
 from momlab import reference
 from momlab.errors import check_choice
-from momlab.estimate import (ALLOCATORS, best_throughput, calibrate, estimate, predict_max_batch, profile,
-                             throughput_curve)
+from momlab.estimate import (ALLOCATORS, best_throughput, calibrate, cuda_overheads, estimate, predict_max_batch,
+                             profile, throughput_curve)
 
 GPU = "V100-16"
+# every prediction here is made with the paper's own software stack (`momlab.workload.stack`): what its runs ran
+SETUP = "paper"
 MODELS = ["resnet50", "wide-resnet50-2", "swin-large", "bert-large", "gpt3-small", "gpt3-medium"]
 # the paper's rows and the momlab MOM predicted for each; a note marks a row whose paper MOM is another system
 PAPER_MOMS = {"exact": "exact", "ckpt": "ckpt", "ckpt-dtr": "ckpt", "quant4": "quant4", "swap": "swap",
@@ -96,11 +100,12 @@ def s1_table(models=None, *, gpu: str = GPU, results=None) -> pd.DataFrame:
         pred, failed = {}, {}
         for mom in dict.fromkeys(PAPER_MOMS[m] for m in mine["mom"]):
             try:
-                mb = predict_max_batch(model, mom, gpu=gpu, precision=prec)
+                mb = predict_max_batch(model, mom, gpu=gpu, precision=prec, setup=SETUP)
             except RuntimeError as exc:  # traces that do not align: no closed-form max batch; shown, not hidden
                 pred[mom], failed[mom] = (0, 0, math.nan), f"not predicted: {str(exc).split(':')[-1].strip()}"
                 continue
-            best = best_throughput(model, mom, gpu=gpu, precision=prec, results=results, max_batch=mb)
+            best = best_throughput(model, mom, gpu=gpu, precision=prec, results=results, max_batch=mb,
+                                   setup=SETUP)
             pred[mom] = (mb, best.batch_size if best else 0, best.throughput if best else 0.0)
         for r in mine.itertuples(index=False):
             mom = PAPER_MOMS[r.mom]
@@ -152,7 +157,7 @@ def curves(model: str, *, gpu: str = GPU, results=None) -> pd.DataFrame:
         if not prof.aligned:  # each batch would be a trace of its own (see s1_table)
             continue
         est = throughput_curve(model, PAPER_MOMS[mom], gpu=gpu, batch_sizes=batches, precision=prec,
-                               results=results)
+                               results=results, setup=SETUP)
         measured = g.groupby("batch_size")["throughput"].max()
         for e in est:
             rows.append({"model": model, "mom": mom, "batch_size": e.batch_size,
@@ -178,17 +183,18 @@ def depth_curves(depths=None, *, model: str = "bert-large", gpu: str = GPU, resu
     prec = reference.PRECISION[model]
     from momlab.gpus import get as get_gpu
 
-    cap = get_gpu(gpu).memory_bytes
+    g = get_gpu(gpu)
+    cap = g.memory_bytes - cuda_overheads(g, SETUP).context_bytes
     grid = np.unique(np.round(np.geomspace(1, max_batch, 96)).astype(int))
     d1, d2 = traced
     rows = []
     for mom in DEPTH_MOMS:
         peaks, times = [], []
         for d in traced:
-            prof = profile(model, mom, precision=prec, kernels=get_gpu(gpu).kernels, num_layers=d)
+            prof = profile(model, mom, precision=prec, kernels=get_gpu(gpu).kernels, num_layers=d, setup=SETUP)
             peaks.append(prof.peak_bytes(grid))
             est = throughput_curve(model, mom, gpu=gpu, batch_sizes=grid, precision=prec, results=results,
-                                   num_layers=d)
+                                   num_layers=d, setup=SETUP)
             times.append(np.array([e.step_time_s for e in est]))
         for d in depths:
             w = (d - d1) / (d2 - d1)
@@ -264,11 +270,10 @@ def paper_headroom(models=None) -> pd.DataFrame:
     model, mom, paper_oom_batch, mem_runs, bytes_per_sample, records_full_batch,
     headroom. Only the paper's data: no prediction is involved.
     """
-    from momlab.estimate import cuda_overheads
     from momlab.gpus import get as get_gpu
 
     g = get_gpu(GPU)
-    usable = g.memory_bytes - cuda_overheads(g, "paper").context_bytes
+    usable = g.memory_bytes - cuda_overheads(g, SETUP).context_bytes
     runs = reference.paper_runs()
     mem = runs[reference._default_size(runs) & (runs["experiment"] == "mem") & (runs["gpus"] == 1) & runs["fits"]
                & runs["peak_bytes"].notna()]
@@ -300,7 +305,7 @@ def _predict(model: str, mom: str, setup: str, allocator: str = "ideal") -> tupl
         return None, str(exc).splitlines()[0]
 
 
-def max_batch_table(models=None, moms=None, *, setup: str = "paper", allocator: str = "caching") -> pd.DataFrame:
+def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: str = "caching") -> pd.DataFrame:
     """Predicted vs the paper's maximum batch on one V100, one row per (model, MOM).
 
     `models` default `MEMORY_MODELS`; `moms`: None for every MOM the paper ran on
@@ -386,7 +391,7 @@ def max_batch_summary(table: pd.DataFrame) -> dict:
     return {**stats(comparable), **stats(bound, "_gpu_bound")}
 
 
-def breakdown_table(models=None, *, setup: str = "paper") -> pd.DataFrame:
+def breakdown_table(models=None, *, setup: str = SETUP) -> pd.DataFrame:
     """Predicted vs the paper's exact-step memory breakdown at `BREAKDOWN_BATCH` (bytes).
 
     One row per (model, component): component is activation (the paper:
@@ -422,7 +427,7 @@ def breakdown_table(models=None, *, setup: str = "paper") -> pd.DataFrame:
 
 
 def slope_table(models=("bert-large", "resnet50", "swin-large", "wide-resnet50-2"), *,
-                setup: str = "paper") -> pd.DataFrame:
+                setup: str = SETUP) -> pd.DataFrame:
     """Peak bytes per extra sample: the paper's least-squares slope over its memory sweep vs the
     predicted peak's slope over the same batch range. Columns: model, mom, paper_bytes_per_sample,
     predicted_bytes_per_sample, error, batch_lo, batch_hi, note."""

@@ -115,6 +115,31 @@ def test_swap_copies_overlap_their_own_phase_only():
     assert swap_overlap(1.0, 2.0, 1.5) == (1.5, 2.0)
 
 
+def test_the_papers_swap_copies_on_the_compute_stream():
+    """GACT's swap (the paper's) issues its copies on the compute stream: they add to compute, except the
+    copies back of quantize+swap, prefetched beside backward."""
+    from momlab.estimate import swap_schedule
+
+    cal = _cal({**TRUTH, "launch": 0.0})
+    ms = V100.memory_bandwidth * TRUTH["memory"] * 1e-3
+    copy = V100.pinned_bandwidth * 1e-3
+    p = _step([0.0] * 14, [ms] * 14, [FP32] * 14, host=2 * copy, forward=4, backward=12)  # 2 ms each way
+    expected = {"overlap": 14e-3, "serial": 14e-3 + 4e-3, "serial-forward": 14e-3 + 2e-3}
+    for schedule, seconds in expected.items():
+        t = step_time(p, V100, cal, swap=schedule)
+        assert t.step_time_s == pytest.approx(seconds, rel=1e-9), schedule
+        assert t.exposed_transfer_s == pytest.approx(seconds - 14e-3, abs=1e-12)
+    # 10 ms each way: serial-forward's backward still hides up to its 8 ms of compute
+    p = _step([0.0] * 14, [ms] * 14, [FP32] * 14, host=10 * copy, forward=4, backward=12)
+    assert step_time(p, V100, cal, swap="serial-forward").step_time_s == pytest.approx((4 + 10) * 1e-3 + 10e-3 + 2e-3)
+    with pytest.raises(ValueError, match="overlap, serial, serial-forward"):
+        step_time(p, V100, cal, swap="async")
+    assert swap_schedule("swap") == swap_schedule("quant4+swap", "default") == "overlap"
+    assert swap_schedule("swap", "paper") == swap_schedule("swap+ckpt", "paper") == "serial"
+    assert swap_schedule("quant4+swap", "paper") == "serial-forward"
+    assert swap_schedule("ckpt", "paper") == "overlap"  # nothing to copy
+
+
 def test_swap_copies_run_at_the_pinned_rate_of_the_link():
     for name in ("V100-16", "A100-40", "H100-80"):
         g = get(name)
