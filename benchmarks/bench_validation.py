@@ -25,6 +25,8 @@ Usage: python benchmarks/bench_validation.py [--quick]   (--quick: ResNet-50 and
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import tempfile
 import time
 from pathlib import Path
@@ -65,6 +67,17 @@ def first_and_later() -> None:
             E.clear_cache()
 
 
+def _table_per_process(models) -> pd.DataFrame:
+    """`validation.max_batch_table`, one model per fresh process: the caching allocator's searches trace
+    many full processes, and one process holding every model's traces ran this 24 GiB machine out of memory
+    (killed by the kernel at gpt3-small, the fifth model, docs/LOG.md 2026-12-04). Traces still come from,
+    and go to, the disk cache."""
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
+        parts = [pool.submit(validation.max_batch_table, [m]) for m in models]
+        return pd.concat([f.result() for f in parts], ignore_index=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -74,7 +87,7 @@ def main() -> None:
     print("timings on a shared 2-core VM: noisy (+-30%, occasionally 2x)")
     first_and_later()
     models = ["resnet50", "bert-large"] if args.quick else validation.MEMORY_MODELS
-    table, secs = _timed(lambda: validation.max_batch_table(models))
+    table, secs = _timed(lambda: _table_per_process(models))
     cols = ["model", "mom", "precision", "paper_max_batch", "paper_oom_batch", "paper_point",
             "predicted_ideal", "predicted_max_batch", "error", "paper_headroom", "gpu_bound", "comparable", "note"]
     print(f"\npredicted (setup='paper', allocator='caching'; predicted_ideal: without fragmentation) vs the "
