@@ -191,7 +191,7 @@ def depth_curves(depths=None, *, model: str = "bert-large", gpu: str = GPU, resu
     for mom in DEPTH_MOMS:
         peaks, times = [], []
         for d in traced:
-            prof = profile(model, mom, precision=prec, kernels=get_gpu(gpu).kernels, num_layers=d, setup=SETUP)
+            prof = profile(model, mom, precision=prec, kernels=g.kernels, num_layers=d, setup=SETUP)
             peaks.append(prof.peak_bytes(grid))
             est = throughput_curve(model, mom, gpu=gpu, batch_sizes=grid, precision=prec, results=results,
                                    num_layers=d, setup=SETUP)
@@ -274,24 +274,24 @@ def paper_headroom(models=None) -> pd.DataFrame:
 
     g = get_gpu(GPU)
     usable = g.memory_bytes - cuda_overheads(g, SETUP).context_bytes
-    runs = reference.paper_runs()
-    mem = runs[reference._default_size(runs) & (runs["experiment"] == "mem") & (runs["gpus"] == 1) & runs["fits"]
-               & runs["peak_bytes"].notna()]
+    s1 = reference.paper_s1()
     rows = []
-    for _, r in reference.paper_s1().iterrows():
-        model, mom = r["model"], r["mom"]
+    for model in dict.fromkeys(s1["model"]):
         if models is not None and model not in models:
             continue
-        sweep = mem[(mem["model"] == model) & (mem["mom"] == mom)
-                    & (mem["precision"] == reference.PRECISION.get(model, "fp32"))]
-        if sweep["batch_size"].nunique() < 2:
+        try:
+            lines = reference.paper_memory_per_sample(model).set_index("mom")
+        except ValueError:  # no memory sweep of this model
             continue
-        slope, intercept = np.polyfit(sweep["batch_size"].astype(float), sweep["peak_bytes"].astype(float), 1)
-        full = (usable - intercept) / slope if slope > 0 else math.inf
-        oom = r["oom_batch_size"]
-        rows.append({"model": model, "mom": mom, "paper_oom_batch": oom, "mem_runs": len(sweep),
-                     "bytes_per_sample": float(slope), "records_full_batch": float(full),
-                     "headroom": math.nan if pd.isna(oom) else float(oom) / full})
+        for r in s1[s1["model"] == model].itertuples(index=False):
+            if r.mom not in lines.index:
+                continue
+            slope, intercept, n = lines.loc[r.mom, ["bytes_per_sample", "intercept_bytes", "batches"]]
+            full = (usable - intercept) / slope if slope > 0 else math.inf
+            oom = r.oom_batch_size
+            rows.append({"model": model, "mom": r.mom, "paper_oom_batch": oom, "mem_runs": int(n),
+                         "bytes_per_sample": float(slope), "records_full_batch": float(full),
+                         "headroom": math.nan if pd.isna(oom) else float(oom) / full})
     return pd.DataFrame(rows, columns=["model", "mom", "paper_oom_batch", "mem_runs", "bytes_per_sample",
                                        "records_full_batch", "headroom"])
 
