@@ -1,15 +1,22 @@
 """The time model with its calibration: a traced step's ops -> predicted seconds on a device.
 
-Time is a roofline per operation, summed (Paleo, Qi et al. 2017, with the
-graph traced rather than described by hand). On a GPU each op costs
+Time is a roofline per operation (Paleo, Qi et al. 2017, with the graph
+traced rather than described by hand). On a GPU each op's kernel takes
 
     max(flops / (peak FLOP/s of its format * compute efficiency of the format),
-        bytes read and written / (memory bandwidth * memory efficiency),
-        launch cost)
+        bytes read and written / (memory bandwidth * memory efficiency))
 
-the last because eager PyTorch issues one kernel per op from the host: a
-kernel shorter than the host's time per op leaves the GPU waiting. The free
-parameters (compute efficiency of fp32 matmuls, of fp32 convolutions, of
+and the host spends a launch cost issuing it. Eager PyTorch issues kernels
+asynchronously from one host thread: the GPU runs a kernel once it is issued
+and the one before it has ended (`queue_ends`), so the host's time hides
+behind long kernels and short kernels wait for the host. A step of small ops
+takes its ops times the launch cost, a step of big ones the sum of its
+kernels, a mix less than the sum of per-op maxima. The host waits for the GPU
+where the step reads a value back: fp16's loss scaling checks for overflow
+before the optimizer (`SYNC_PRECISIONS`), whose ops then start on an empty
+queue. A measured time covers the step, or what its script timed (`WINDOWS`).
+
+The free parameters (compute efficiency of fp32 matmuls, of fp32 convolutions, of
 half-precision tensor cores; memory efficiency; launch cost) are fitted per
 device from *Exact* runs only (`calibrate`): momlab's own records of the
 device, and for the paper's V100 its Exact throughput curves
@@ -122,25 +129,60 @@ def _compute_eff(cal: "Calibration") -> np.ndarray:
     return np.array([cal.compute_efficiency[k] for k in _FMT_PARAM], dtype=np.float64)
 
 
-def op_seconds(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False) -> tuple[np.ndarray, float]:
-    """Seconds of each op on `gpu` (a fused kernel's time on its first op, its other ops 0) and the
-    fused kernels' total."""
+def _kernels(p, gpu: Gpu, cal: "Calibration", tf32: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+    """Device seconds of each op's kernel (a fused kernel's time on its first op, its other ops 0), host
+    seconds to issue each op (a fused kernel is one launch), and the fused kernels' total."""
     compute, memory = _roofline(p, gpu, tf32)
-    t = np.maximum(compute / _compute_eff(cal)[p.fmt.astype(np.int64)], memory / cal.memory_efficiency)
-    cuda = gpu.kernels == "cuda"
-    if cuda:
-        t = np.maximum(t, cal.launch_s)
+    k = np.maximum(compute / _compute_eff(cal)[p.fmt.astype(np.int64)], memory / cal.memory_efficiency)
+    h = np.full(len(k), cal.launch_s)
     fused = 0.0
     group = getattr(p, "group", None)
-    if cuda and group is not None and len(group) and (group >= 0).any():
+    if gpu.kernels == "cuda" and group is not None and len(group) and (group >= 0).any():  # compiled on CUDA only
         inside = group >= 0
         ids, first = np.unique(group[inside], return_index=True)
         first = np.flatnonzero(inside)[first]
-        kernel = np.maximum(p.group_bytes[ids] / (gpu.memory_bandwidth * cal.memory_efficiency), cal.launch_s)
-        t = np.where(inside, 0.0, t)
-        t[first] = kernel
+        kernel = p.group_bytes[ids] / (gpu.memory_bandwidth * cal.memory_efficiency)
+        k = np.where(inside, 0.0, k)
+        h = np.where(inside, 0.0, h)
+        k[first] = kernel
+        h[first] = cal.launch_s
         fused = float(kernel.sum())
-    return t, fused
+    return k, h, fused
+
+
+def queue_ends(kernel_s: np.ndarray, host_s: np.ndarray) -> np.ndarray:
+    """When each op's kernel ends on a GPU fed asynchronously by one host thread (seconds from the start).
+
+    The host issues the ops one after another, `host_s` each; the GPU runs
+    each kernel once it is issued and the one before it has ended:
+    ``end[i] = max(end[i-1], issued[i]) + kernel[i]``, in closed form
+    ``end[i] = S[i] + max over j <= i of (issued[j] - S[j-1])`` with ``S`` the
+    running sum of kernel times. A step of long kernels takes their sum (the
+    host runs ahead), one of short kernels the host's time (the GPU waits),
+    and a mix of both less than the sum of per-op maxima.
+
+    >>> queue_ends(np.array([1.0, 1.0, 0.1, 0.1]), np.array([0.5, 0.5, 0.5, 0.5])).tolist()
+    [1.5, 2.5, 2.6, 2.7]
+    >>> queue_ends(np.array([0.25, 0.25, 0.25]), np.array([1.0, 1.0, 1.0])).tolist()
+    [1.25, 2.25, 3.25]
+    """
+    s = np.cumsum(kernel_s)
+    issued = np.cumsum(host_s)
+    return s + np.maximum.accumulate(issued - (s - kernel_s))
+
+
+def op_seconds(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False,
+               sync: int | None = None) -> tuple[np.ndarray, float]:
+    """Seconds each op adds to the step on `gpu` (the increments of `queue_ends` on a GPU, the host waiting
+    for the GPU before op `sync` when given; kernel plus issue time on a CPU, which does one thing at a time)
+    and the fused kernels' total."""
+    k, h, fused = _kernels(p, gpu, cal, tf32)
+    if gpu.kernels != "cuda":
+        return k, fused
+    if sync is None or not 0 < sync < len(k):
+        return np.diff(queue_ends(k, h), prepend=0.0), fused
+    before = np.diff(queue_ends(k[:sync], h[:sync]), prepend=0.0)
+    return np.concatenate([before, np.diff(queue_ends(k[sync:], h[sync:]), prepend=0.0)]), fused
 
 
 # How swap's copies share the GPU with compute (`step_time`'s `swap`), per implementation:
@@ -153,6 +195,15 @@ def op_seconds(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False) -> tuple[
 #   is issued on the compute stream (its side-stream lines are commented out), the copies back are prefetched
 #   one tensor ahead on a side stream: forward's copies add to compute, backward's overlap it.
 SWAP_SCHEDULES = ("overlap", "serial", "serial-forward")
+
+# precisions whose step makes the host wait for the GPU before the optimizer: fp16's loss scaling reads whether
+# any gradient overflowed (torch.amp.GradScaler.step: ``found_inf.item()``; apex amp and fairseq's FP16Optimizer
+# do the same) before it may step
+SYNC_PRECISIONS = ("fp16",)
+
+# what a measured step time covers: the whole step, or (a training script that stops its timer after
+# ``loss.backward()``, as the paper's BERT script does) forward and backward only
+WINDOWS = ("step", "forward-backward")
 
 
 def swap_phases(forward_s: float, backward_s: float, copy_s: float,
@@ -187,20 +238,25 @@ def swap_overlap(forward_s: float, backward_s: float, copy_s: float) -> tuple[fl
     return max(forward_s, copy_s), max(backward_s, copy_s)
 
 
-def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str = "overlap") -> StepTime:
+def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str = "overlap",
+              sync: bool = False, window: str = "step") -> StepTime:
     """The predicted step of trace `p` on `gpu` (module docstring); `swap`: how its swap copies share the GPU
-    with compute (`SWAP_SCHEDULES`)."""
+    with compute (`SWAP_SCHEDULES`); `sync`: the host waits for the GPU before the optimizer step (loss
+    scaling's check for overflow, `SYNC_PRECISIONS`), so the optimizer's ops start on an empty queue;
+    `window`: what ``step_time_s`` covers (`WINDOWS`; "forward-backward" leaves the optimizer's time out of it,
+    ``optimizer_s`` still says what it would take)."""
     check_choice("swap schedule", swap, SWAP_SCHEDULES)
+    check_choice("timed window", window, WINDOWS)
     compute, memory = _roofline(p, gpu, tf32)
     per_op = np.maximum(compute, memory)
     ideal = float(per_op.sum())
     n = len(per_op)
     parts = dict(ideal_s=ideal, compute_bound_s=float(per_op[compute >= memory].sum()),
                  memory_bound_s=float(per_op[compute < memory].sum()), launch_s=n * cal.launch_s, ops=n)
-    t, fused = op_seconds(p, gpu, cal, tf32=tf32)
     fwd_n, bwd_n = getattr(p, "forward_ops", 0), getattr(p, "backward_ops", 0)
     if not 0 < fwd_n <= bwd_n <= n:  # phases unknown (a trace from before they were recorded): one phase
         fwd_n = bwd_n = n
+    t, fused = op_seconds(p, gpu, cal, tf32=tf32, sync=bwd_n if sync else None)
     fwd, bwd, opt = float(t[:fwd_n].sum()), float(t[fwd_n:bwd_n].sum()), float(t[bwd_n:].sum())
     if gpu.kernels != "cuda":  # a CPU does one thing at a time (swap copies are ops of the trace here)
         total = fwd + bwd + opt + parts["launch_s"]
@@ -210,9 +266,10 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
         f, b = (max(fwd, 2 * copy) if swap == "overlap" else fwd + 2 * copy), 0.0
     else:
         f, b = swap_phases(fwd, bwd, copy, swap)
-    total = f + b + opt
+    timed = opt if window == "step" else 0.0
+    total = f + b + timed
     return StepTime(total, **parts, transfer_s=2 * copy, forward_s=fwd, backward_s=bwd, optimizer_s=opt,
-                    fused_s=fused, exposed_transfer_s=total - (fwd + bwd + opt))
+                    fused_s=fused, exposed_transfer_s=total - (fwd + bwd + timed))
 
 
 # -- calibration -----------------------------------------------------------------------------
@@ -324,6 +381,7 @@ def reference_records(gpu_name: str) -> list[dict]:
     stack (``setup="paper"``, `momlab.workload.stack`); its MOM rows are left out.
     """
     from momlab import catalog, reference
+    from momlab.workload import stack
 
     g = get_gpu(gpu_name)
     if not g.matches(reference.GPU):
@@ -336,7 +394,7 @@ def reference_records(gpu_name: str) -> list[dict]:
             continue
         bs = int(r.batch_size)
         out.append({"model": r.model, "mom": "exact", "precision": r.precision, "size": {}, "batch_size": bs,
-                    "setup": "paper", "step_time_s": bs / float(r.throughput),
+                    "setup": "paper", "window": stack(r.model, "paper").timed, "step_time_s": bs / float(r.throughput),
                     "_from": f"paper {reference.GPU} ({r.source})"})
     return out
 
@@ -374,38 +432,66 @@ def _fit(gpu: Gpu, points: list[tuple[float, int, float]], name: str, source: st
 
 
 class _Points:
-    """Exact records as one long op array, for a fast vectorized prediction of all their step times."""
+    """Exact records as one long op array, for a fast vectorized prediction of all their step times
+    (`queue_ends` of every record at once; Exact steps have no fused kernels)."""
 
-    def __init__(self, probes, measured, gpu: Gpu):
-        comp, mem, fmt, idx = [], [], [], []
+    def __init__(self, probes, measured, gpu: Gpu, syncs=None, windows=None):
+        comp, mem, fmt, lengths, record = [], [], [], [], []
         for i, p in enumerate(probes):
+            group = getattr(p, "group", None)
+            if group is not None and len(group) and (group >= 0).any():
+                raise ValueError("a calibration record must be an Exact step (this one has fused quantization "
+                                 "kernels): MOM runs are what the model predicts, never what it is fitted to")
             c, m = _roofline(p, gpu, False)
             comp.append(c)
             mem.append(m)
             fmt.append(p.fmt.astype(np.int64))
-            idx.append(len(c))
+            # a record is one queue, or two when the host waits for the GPU before the optimizer step
+            n, cut = len(c), getattr(p, "backward_ops", 0)
+            if windows is not None and windows[i] == "forward-backward" and 0 < cut < n:  # its optimizer untimed
+                c, m, n = c[:cut], m[:cut], cut
+                comp[-1], mem[-1] = c, m
+                fmt[-1] = fmt[-1][:cut]
+            parts = [cut, n - cut] if syncs is not None and syncs[i] and 0 < cut < n else [n]
+            lengths += parts
+            record += [i] * len(parts)
         self.compute, self.memory, self.fmt = np.concatenate(comp), np.concatenate(mem), np.concatenate(fmt)
-        self.starts = np.concatenate([[0], np.cumsum(idx)[:-1]]).astype(np.int64)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        self.ends = np.cumsum(lengths) - 1
+        self.lengths = lengths
+        self.segment = np.repeat(np.arange(len(lengths)), lengths)
+        self.record_starts = np.flatnonzero(np.diff(np.asarray(record), prepend=-1))  # first queue of each record
         self.measured = np.asarray(measured, dtype=np.float64)
 
     def predict(self, params: dict, scale: float = 1.0) -> np.ndarray:
+        """Each record's step: the sum of `queue_ends` over its queues, all queues' ops at once (each
+        queue's running maximum is kept out of the next one's by an offset larger than any step)."""
         eff = np.array([params[k] for k in _FMT_PARAM])
-        t = np.maximum(np.maximum(self.compute / eff[self.fmt], self.memory / params["memory"]), params["launch"])
-        return scale * np.add.reduceat(t, self.starts)
+        k = np.maximum(self.compute / eff[self.fmt], self.memory / params["memory"])
+        s = np.cumsum(k)
+        issued = params["launch"] * np.arange(1, len(k) + 1, dtype=np.float64)
+        v = issued - (s - k)
+        base = v[self.starts] - params["launch"]  # issued - s just before the queue: its own origin
+        big = 2.0 * (issued[-1] + s[-1]) + 1.0
+        off = self.segment * big
+        run = np.maximum.accumulate(v + off) - off
+        ends = s + run - np.repeat(base, self.lengths)
+        queue = ends[self.ends] - (s[self.starts] - k[self.starts])
+        return scale * np.add.reduceat(queue, self.record_starts)
 
     def shares(self, params: dict) -> dict:
-        """The share of the records' predicted time each parameter governs (the max of an op)."""
+        """The share of the records' predicted kernel and issue time each parameter governs."""
         eff = np.array([params[k] for k in _FMT_PARAM])
         c, m = self.compute / eff[self.fmt], self.memory / params["memory"]
-        launch = np.full_like(c, params["launch"])
-        t = np.maximum(np.maximum(c, m), launch)
-        total = t.sum()
-        out = {k: 0.0 for k in PARAMS}
-        which = np.argmax(np.stack([c, m, launch]), axis=0)
+        k = np.maximum(c, m)
+        host = params["launch"] * len(k)
+        total = k.sum() + host
+        out = {name: 0.0 for name in PARAMS}
         for f, name in enumerate(_FMT_PARAM):
-            out[name] += float(t[(which == 0) & (self.fmt == f)].sum() / total)
-        out["memory"] = float(t[which == 1].sum() / total)
-        out["launch"] = float(t[which == 2].sum() / total)
+            out[name] += float(k[(c >= m) & (self.fmt == f)].sum() / total)
+        out["memory"] = float(k[c < m].sum() / total)
+        out["launch"] = float(host / total)
         return out
 
 
@@ -440,15 +526,26 @@ def _nelder_mead(f, x0: np.ndarray, step: float = 0.5, iters: int = 600, tol: fl
     return simplex[int(np.argmin(values))]
 
 
-def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "") -> Calibration:
+def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "", syncs=None, windows=None,
+            groups=None) -> Calibration:
     """Fit `PARAMS` of GPU `g` to Exact steps `probes` that took `measured` seconds (least squares in log time).
 
     Efficiencies stay in (0, 1] (no kernel beats the datasheet peak) and the
     launch cost in [0.1 us, 1 ms]. A parameter the records barely exercise
     (under `_MIN_SHARE` of their time) keeps its default; with fewer than
     `_MIN_FULL_FIT` records one common scale of every cost is fitted instead.
+    `syncs`, `windows`: per record, `step_time`'s ``sync`` and ``window``.
+    `groups`: per record, the curve it belongs to (its model); each curve
+    weighs the same in the fit however many batch sizes it sampled, so the
+    model measured most often does not set the parameters of all.
     """
-    pts = _Points(probes, measured, g)
+    pts = _Points(probes, measured, g, syncs, windows)
+    if groups is None:
+        weight = np.full(len(probes), 1.0 / len(probes))
+    else:
+        groups = list(groups)
+        count = {k: groups.count(k) for k in set(groups)}
+        weight = np.array([1.0 / count[k] for k in groups]) / len(count)
     base = default_calibration(g).params()
     shares = pts.shares(base)
     # the host's time per op is always free (every step launches its ops), a format's efficiency only
@@ -463,8 +560,14 @@ def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "") -> Calibratio
             params[k] = float(np.clip(np.exp(v), 1e-7, 1e-3)) if k == "launch" else float(min(1.0, np.exp(v)))
         return params
 
+    lo = np.array([np.log(1e-7) if k == "launch" else -np.inf for k in free])
+    hi = np.array([np.log(1e-3) if k == "launch" else 0.0 for k in free])
+
     def loss(x):
-        return float(np.mean((np.log(pts.predict(unpack(x))) - log_meas) ** 2))
+        # past a bound the clipped parameter no longer moves the fit: the penalty leads the simplex back, where
+        # a flat loss would let it stall outside while the other parameters compensate
+        out = np.maximum(x - hi, 0.0) + np.maximum(lo - x, 0.0)
+        return float(np.sum(weight * (np.log(pts.predict(unpack(x))) - log_meas) ** 2)) + float(np.sum(out ** 2))
 
     if free:
         x = np.log([base[k] for k in free])
@@ -472,8 +575,8 @@ def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "") -> Calibratio
             x = _nelder_mead(loss, x)
         params = unpack(x)
         fitted = tuple(free)
-    else:  # one scale s of every cost: s * pred0 = measured in the geometric mean
-        s = float(np.exp(np.mean(log_meas - np.log(pts.predict(base)))))
+    else:  # one scale s of every cost: s * pred0 = measured in the (weighted) geometric mean
+        s = float(np.exp(np.sum(weight * (log_meas - np.log(pts.predict(base))))))
         params = {k: (v * s if k == "launch" else min(1.0, v / s)) for k, v in base.items()}
         fitted = ("scale",)
     pred = pts.predict(params)
@@ -542,7 +645,10 @@ def calibrate(gpu: str, *, trace, results=None, max_records: int = 4, quick: boo
                                 r.get("setup") or "default") for r in records]
                 sources = sorted({r["_from"].split(" (")[0] for r in records})
                 cal = fit_gpu(g, probes, [float(r["step_time_s"]) for r in records], map(_label, records),
-                              f"{len(records)} measured Exact record(s): {', '.join(sources)}")
+                              f"{len(records)} measured Exact record(s): {', '.join(sources)}",
+                              syncs=[r["precision"] in SYNC_PRECISIONS for r in records],
+                              windows=[r.get("window") or "step" for r in records],
+                              groups=[r["model"] for r in records])
             else:
                 cal = default_calibration(g)
         _CALIBRATIONS[key] = cal

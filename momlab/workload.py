@@ -12,7 +12,9 @@ a MOM.
 Optimizers follow the paper: AdamW for transformers, SGD with momentum for
 ResNets. Both run with ``foreach=True`` on every device: it is CUDA's default,
 its temporaries can set the peak, and choosing it everywhere makes the CPU's
-emulated device account the same step a GPU runs (recorded in `options`).
+emulated device account the same step a GPU runs (recorded in `options`). The
+paper's stack runs them as torch < 2.0 did, one parameter at a time
+(``foreach=False``, `Stack.foreach`).
 
 The software stack beside model and MOM is a `Stack`, named by a *setup*:
 "default" is today's (transformers' default attention kernel, sdpa; the
@@ -28,8 +30,12 @@ tensor; and gradients are zeroed in place rather than freed, as
 forward; Swin's training script wraps the model in DistributedDataParallel even
 on one GPU, whose reducer keeps a second, flat copy of the gradients, its
 buckets: the GACT benchmark's Swin main.py, and the paper's Swin records,
-whose model-related memory is five copies of the weights). An explicit
-`attention` overrides the setup's.
+whose model-related memory is five copies of the weights); the optimizers
+step one parameter at a time (torch < 2.0's default; GPT's fairseq keeps one
+flat fp32 buffer, which `foreach` stands for); and a measured step covers what
+the paper's script timed (`Stack.timed`: its BERT script, GACT's run_glue.py,
+stops its CUDA events after ``loss.backward()``, before clipping and the
+optimizer). An explicit `attention` overrides the setup's.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ _ATTENTION_FAMILIES = ("bert", "gpt", "swin", "vit", "llama", "qwen2", "mixtral"
 # the paper's optimizer per family (its code: HF run_glue AdamW, Swin's AdamW, fairseq Adam, torchvision SGD)
 _PAPER_OPTIMIZER = {"bert": "adamw", "swin": "adamw", "vit": "adamw", "gpt": "adam", "resnet": "sgd"}
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
+# the paper's scripts that timed less than a step (GACT-ICML benchmark/text_classification/run_glue.py)
+_PAPER_TIMED = {"bert": "forward-backward"}
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
 
 
@@ -90,13 +98,19 @@ class Stack:
     # bucket buffers (gradient_as_bucket_view=False, the default), one more copy of the gradients; with ranks, the
     # parallel strategy's own buffers replace them (`momlab.distributed.parallelize`)
     ddp_buckets: bool = False
+    # torch >= 2.0's optimizers update every parameter in a few multi-tensor kernels; torch 1.x's loop over them,
+    # a few kernels each (the host's time per kernel, `momlab.timemodel`)
+    foreach: bool = True
+    # what a step's time covers (momlab.timemodel.WINDOWS): "step"; "forward-backward" where the script that
+    # measured it stopped its timer after backward
+    timed: str = "step"
 
 
 def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
     """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
 
     >>> stack("bert-large", "paper")
-    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False)
+    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward')
     >>> stack("gpt3-small", attention="eager").optimizer
     'adamw'
     """
@@ -114,7 +128,8 @@ def stack(model: str, setup: str = "default", attention: str | None = None) -> S
     optimizer = _PAPER_OPTIMIZER.get(family, spec.optimizer) if setup == "paper" else spec.optimizer
     paper = setup == "paper"
     return Stack(setup, attention, optimizer, "gelu" if paper and family == "gpt" else None, not paper,
-                 paper and family == "swin")
+                 paper and family == "swin", foreach=not paper or family == "gpt",
+                 timed=_PAPER_TIMED.get(family, "step") if paper else "step")
 
 
 @dataclass
@@ -259,16 +274,17 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
                 f"nn.Sequential of same-class layers): name them, momlab.UserModel(module, ..., blocks='layers') "
                 f"(an attribute path or a function of the module returning its blocks)")
         handle = apply(net, mom, blocks=blocks)
+    foreach = FOREACH and st.foreach
     if st.optimizer == "adamw":
-        opt = torch.optim.AdamW(net.parameters(), foreach=FOREACH, **ADAMW)
+        opt = torch.optim.AdamW(net.parameters(), foreach=foreach, **ADAMW)
     elif st.optimizer == "adam":  # the same two moments as AdamW, no decoupled weight decay
-        opt = torch.optim.Adam(net.parameters(), foreach=FOREACH, lr=ADAMW["lr"])
+        opt = torch.optim.Adam(net.parameters(), foreach=foreach, lr=ADAMW["lr"])
     else:
-        opt = torch.optim.SGD(net.parameters(), foreach=FOREACH, **SGD)
+        opt = torch.optim.SGD(net.parameters(), foreach=foreach, **SGD)
     scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" and dev.type != "meta" else None
     gen = torch.Generator().manual_seed(seed)
     options = {
-        "optimizer": st.optimizer, "foreach": FOREACH, "setup": st.setup, "activation": st.activation,
+        "optimizer": st.optimizer, "foreach": foreach, "setup": st.setup, "activation": st.activation,
         "grads_to_none": st.grads_to_none, "ddp_buckets": st.ddp_buckets,
         "attn_implementation": getattr(getattr(net, "config", None), "_attn_implementation", None),
     }

@@ -50,6 +50,28 @@ def test_paper_setup_per_model():
     assert [stack(m, "paper").ddp_buckets for m in ("swin-large", "bert-large", "gpt3-small", "resnet50")] == \
         [True, False, False, False]
     assert not stack("swin-large").ddp_buckets
+    # torch 1.x's optimizers loop over the parameters (fairseq's GPT steps one flat buffer); the paper's BERT
+    # script stopped its timer after backward (GACT run_glue.py)
+    assert [stack(m, "paper").foreach for m in ("swin-large", "bert-large", "gpt3-small", "resnet50")] == \
+        [False, False, True, False]
+    assert [stack(m, "paper").timed for m in ("swin-large", "bert-large", "gpt3-small", "resnet50")] == \
+        ["step", "forward-backward", "step", "step"]
+    assert stack("bert-large").foreach and stack("bert-large").timed == "step"
+
+
+def test_the_papers_optimizer_steps_one_parameter_at_a_time():
+    """torch < 2.0's loop: a few kernels per parameter where foreach runs a few for all of them; the paper's
+    BERT step is timed without its optimizer."""
+    plain = E.estimate("bert-base", batch_size=2, gpu="A100-40", attention="eager", **TINY_BERT)
+    paper = E.estimate("bert-base", batch_size=2, gpu="A100-40", setup="paper", **TINY_BERT)
+    w = build("bert-base", batch_size=2, setup="paper", **TINY_BERT)
+    params = sum(1 for _ in w.model.parameters())
+    assert w.options["foreach"] is False and w.optimizer.defaults["foreach"] is False
+    opt_ops = paper.time["ops"] - plain.time["ops"]
+    assert opt_ops >= 4 * params  # AdamW's loop: at least 4 kernels per parameter beyond foreach's few
+    assert paper.step_time_s == pytest.approx(paper.time["forward_s"] + paper.time["backward_s"])
+    assert plain.step_time_s == pytest.approx(plain.time["forward_s"] + plain.time["backward_s"]
+                                              + plain.time["optimizer_s"])
 
 
 def test_ddp_buckets_are_a_second_copy_of_the_gradients():

@@ -69,6 +69,70 @@ def test_calibration_recovers_known_parameters():
     assert cal.error < 0.005
 
 
+def test_calibration_recovers_parameters_through_syncs_and_windows():
+    """Records whose host waits before the optimizer (fp16's loss scaling) and records timed without their
+    optimizer: the fit predicts each the way it was measured, and still finds the parameters."""
+    rng = np.random.default_rng(3)
+    probes, syncs, windows = [], [], []
+    for kind in ("cnn", "transformer"):
+        for i, b in enumerate((1, 2, 4, 16, 64, 128)):
+            p = _model_step(rng, b, kind)
+            p.forward_ops, p.backward_ops = 100, 260  # 40 optimizer ops
+            probes.append(p)
+            syncs.append(kind == "transformer")
+            windows.append("forward-backward" if kind == "transformer" and i % 2 else "step")
+    truth = _cal(TRUTH)
+    measured = [step_time(p, V100, truth, sync=s, window=w).step_time_s for p, s, w in zip(probes, syncs, windows)]
+    cal = fit_gpu(V100, probes, measured, source="synthetic", syncs=syncs, windows=windows)
+    for k in ("conv32", "half", "memory", "launch"):
+        assert cal.params()[k] == pytest.approx(TRUTH[k], rel=0.02), k
+    assert cal.error < 0.005
+    # fitted as if every record were a whole step with no sync, the same times give other parameters
+    blind = fit_gpu(V100, probes, measured, source="blind")
+    assert blind.error > 10 * cal.error
+
+
+def test_each_curve_weighs_the_same_in_the_fit():
+    """Records that disagree (one model's curve 30% slower than the parameters make it): the compromise the
+    fit finds does not move when the other curve is sampled four times over, unless its records are not
+    grouped by curve."""
+    rng = np.random.default_rng(4)
+    cnn = [_model_step(rng, b, "cnn") for b in (1, 2, 4, 16, 64, 128)]
+    tf = [_model_step(rng, b, "transformer") for b in (1, 2, 4, 16, 64, 128)]
+    truth = _cal(TRUTH)
+    t_cnn = [1.3 * step_time(p, V100, truth).step_time_s for p in cnn]
+    t_tf = [step_time(p, V100, truth).step_time_s for p in tf]
+
+    def fit(repeat, grouped):
+        probes, times = cnn + tf * repeat, t_cnn + t_tf * repeat
+        groups = ["cnn"] * len(cnn) + ["tf"] * (len(tf) * repeat) if grouped else None
+        return fit_gpu(V100, probes, times, source="two curves", groups=groups).params()
+
+    once, four = fit(1, True), fit(4, True)
+    for k in ("conv32", "half", "memory", "launch"):
+        assert four[k] == pytest.approx(once[k], rel=1e-3), k
+    ungrouped = fit(4, False)
+    assert max(abs(ungrouped[k] / once[k] - 1) for k in ("conv32", "half", "memory", "launch")) > 0.01
+
+
+def test_loss_scaling_waits_for_the_gpu_before_the_optimizer():
+    """fp16's overflow check reads a flag on the host: the optimizer's issue can no longer hide behind the
+    backward kernels still queued; a forward-backward window leaves the optimizer out of the step."""
+    cal = _cal({**TRUTH, "launch": 1e-3})
+    ms = V100.memory_bandwidth * TRUTH["memory"] * 1e-3
+    # 10 forward/backward kernels of 5 ms, then 10 optimizer kernels of 10 us (1 ms each to issue)
+    p = _step([0.0] * 20, [ms * 5] * 10 + [ms * 0.01] * 10, [FP32] * 20, forward=4, backward=10)
+    queued = 1e-3 + 50e-3 + 10 * 10e-6  # issued while the GPU works through backward: 0.1 ms after it
+    assert step_time(p, V100, cal).step_time_s == pytest.approx(queued)
+    synced = step_time(p, V100, cal, sync=True)
+    assert synced.step_time_s == pytest.approx(1e-3 + 50e-3 + 10e-3 + 10e-6)
+    assert synced.optimizer_s == pytest.approx(10e-3 + 10e-6)
+    timed = step_time(p, V100, cal, sync=True, window="forward-backward")
+    assert timed.step_time_s == pytest.approx(51e-3) and timed.optimizer_s == synced.optimizer_s
+    with pytest.raises(ValueError, match="step, forward-backward"):
+        step_time(p, V100, cal, window="optimizer")
+
+
 def test_fitted_efficiencies_stay_physical():
     """Times faster than the datasheet peak allows cannot push an efficiency above 1."""
     rng = np.random.default_rng(1)
@@ -153,9 +217,25 @@ def test_a_fused_kernel_is_one_kernel():
     ms = bw * 1e-3
     plain = _step([0.0] * 4, [ms] * 4, [FP32] * 4)
     fused = _step([0.0] * 4, [ms] * 4, [FP32] * 4, group=[-1, 0, 0, 0], group_bytes=[ms / 2])
-    assert step_time(plain, V100, cal).step_time_s == pytest.approx(4e-3)
+    launch = TRUTH["launch"]  # the GPU starts once the host has issued the first kernel
+    assert step_time(plain, V100, cal).step_time_s == pytest.approx(launch + 4e-3)
     t = step_time(fused, V100, cal)
-    assert t.step_time_s == pytest.approx(1e-3 + 0.5e-3) and t.fused_s == pytest.approx(0.5e-3)
+    assert t.step_time_s == pytest.approx(launch + 1e-3 + 0.5e-3) and t.fused_s == pytest.approx(0.5e-3)
+
+
+def test_the_host_runs_ahead_of_the_gpu():
+    """Eager PyTorch issues kernels asynchronously: the host's time per op hides behind long kernels and
+    short kernels wait for the host, so a step is not the sum of per-op maxima of kernel and launch."""
+    cal = _cal({**TRUTH, "launch": 1e-3})
+    ms = V100.memory_bandwidth * TRUTH["memory"] * 1e-3
+    tiny = _step([0.0] * 10, [ms * 0.01] * 10, [FP32] * 10)  # 10 us kernels, 1 ms to issue each
+    assert step_time(tiny, V100, cal).step_time_s == pytest.approx(10e-3 + 10e-6)
+    long = _step([0.0] * 10, [ms * 5] * 10, [FP32] * 10)  # 5 ms kernels: the host waits on the queue
+    assert step_time(long, V100, cal).step_time_s == pytest.approx(1e-3 + 50e-3)
+    # 5 kernels of 5 ms, then 20 of 10 us: the 20 issues (20 ms) hide behind the 25 ms of long kernels
+    # queued before them; per-op maxima would charge 25 + 20 ms
+    mix = _step([0.0] * 25, [ms * 5] * 5 + [ms * 0.01] * 20, [FP32] * 25)
+    assert step_time(mix, V100, cal).step_time_s == pytest.approx(1e-3 + 25e-3 + 20 * 10e-6)
 
 
 def test_calibration_never_uses_mom_records(tmp_path):
