@@ -1095,7 +1095,8 @@ def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kern
     # fp16's loss scaling waits for the GPU before the optimizer; the paper's BERT script timed forward and
     # backward only (`momlab.workload.Stack.timed`)
     t = step_time(p, g, cal, tf32=tf32, swap=swap_schedule(prof.mom, prof.setup),
-                  sync=precision in timemodel.SYNC_PRECISIONS, window=stack(model, prof.setup, prof.attention).timed)
+                  sync=precision in timemodel.SYNC_PRECISIONS,
+                  window=stack(resolve(model), prof.setup, prof.attention).timed)
     over = cuda_overheads(g, prof.setup)
     peak = p.peak_bytes + over.cublas_workspace_bytes + p.rounding_bytes
     fits = peak <= capacity
