@@ -54,6 +54,7 @@ import glob
 import math
 import os
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -150,7 +151,7 @@ def _kernels(p, gpu: Gpu, cal: "Calibration", tf32: bool = False) -> tuple[np.nd
     return k, h, fused
 
 
-def queue_ends(kernel_s: np.ndarray, host_s: np.ndarray) -> np.ndarray:
+def queue_ends(kernel_s: np.ndarray, host_s: np.ndarray, starts=None) -> np.ndarray:
     """When each op's kernel ends on a GPU fed asynchronously by one host thread (seconds from the start).
 
     The host issues the ops one after another, `host_s` each; the GPU runs
@@ -159,16 +160,33 @@ def queue_ends(kernel_s: np.ndarray, host_s: np.ndarray) -> np.ndarray:
     ``end[i] = S[i] + max over j <= i of (issued[j] - S[j-1])`` with ``S`` the
     running sum of kernel times. A step of long kernels takes their sum (the
     host runs ahead), one of short kernels the host's time (the GPU waits),
-    and a mix of both less than the sum of per-op maxima.
+    and a mix of both less than the sum of per-op maxima. `starts`: indices
+    where a new queue begins, empty, with the host starting afresh (the host
+    waited for the GPU there, or another step begins); each queue's ends count
+    from its own start.
 
     >>> queue_ends(np.array([1.0, 1.0, 0.1, 0.1]), np.array([0.5, 0.5, 0.5, 0.5])).tolist()
     [1.5, 2.5, 2.6, 2.7]
     >>> queue_ends(np.array([0.25, 0.25, 0.25]), np.array([1.0, 1.0, 1.0])).tolist()
     [1.25, 2.25, 3.25]
+    >>> queue_ends(np.array([1.0, 1.0, 0.25, 0.25]), np.array([0.5, 0.5, 0.5, 0.5]), starts=[0, 2]).tolist()
+    [1.5, 2.5, 0.75, 1.25]
     """
     s = np.cumsum(kernel_s)
     issued = np.cumsum(host_s)
-    return s + np.maximum.accumulate(issued - (s - kernel_s))
+    v = issued - (s - kernel_s)
+    if starts is None or len(starts) <= 1:
+        return s + np.maximum.accumulate(v)
+    starts = np.asarray(starts, dtype=np.int64)
+    lengths = np.diff(np.append(starts, len(s)))
+    # each queue's origin: the host's and the GPU's time before it
+    origin_issued = np.repeat(issued[starts] - host_s[starts], lengths)
+    origin_s = np.repeat(s[starts] - kernel_s[starts], lengths)
+    v = v - origin_issued + origin_s
+    # one running maximum over all queues, each kept out of the next by an offset larger than any of them
+    big = 2.0 * float(np.abs(v).max()) + 1.0
+    off = np.repeat(np.arange(len(starts)) * big, lengths)
+    return (s - origin_s) + np.maximum.accumulate(v + off) - off
 
 
 def op_seconds(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False,
@@ -179,10 +197,11 @@ def op_seconds(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False,
     k, h, fused = _kernels(p, gpu, cal, tf32)
     if gpu.kernels != "cuda":
         return k, fused
-    if sync is None or not 0 < sync < len(k):
-        return np.diff(queue_ends(k, h), prepend=0.0), fused
-    before = np.diff(queue_ends(k[:sync], h[:sync]), prepend=0.0)
-    return np.concatenate([before, np.diff(queue_ends(k[sync:], h[sync:]), prepend=0.0)]), fused
+    starts = [0, sync] if sync is not None and 0 < sync < len(k) else [0]
+    ends = queue_ends(k, h, starts)
+    added = np.diff(ends, prepend=0.0)
+    added[starts] = ends[starts]  # a queue's first op adds its own end
+    return added, fused
 
 
 # How swap's copies share the GPU with compute (`step_time`'s `swap`), per implementation:
@@ -443,42 +462,28 @@ class _Points:
                 raise ValueError("a calibration record must be an Exact step (this one has fused quantization "
                                  "kernels): MOM runs are what the model predicts, never what it is fitted to")
             c, m = _roofline(p, gpu, False)
-            comp.append(c)
-            mem.append(m)
-            fmt.append(p.fmt.astype(np.int64))
-            # a record is one queue, or two when the host waits for the GPU before the optimizer step
             n, cut = len(c), getattr(p, "backward_ops", 0)
             if windows is not None and windows[i] == "forward-backward" and 0 < cut < n:  # its optimizer untimed
-                c, m, n = c[:cut], m[:cut], cut
-                comp[-1], mem[-1] = c, m
-                fmt[-1] = fmt[-1][:cut]
+                n = cut
+            comp.append(c[:n])
+            mem.append(m[:n])
+            fmt.append(p.fmt[:n].astype(np.int64))
+            # a record is one queue, or two when the host waits for the GPU before the optimizer step
             parts = [cut, n - cut] if syncs is not None and syncs[i] and 0 < cut < n else [n]
             lengths += parts
             record += [i] * len(parts)
         self.compute, self.memory, self.fmt = np.concatenate(comp), np.concatenate(mem), np.concatenate(fmt)
-        lengths = np.asarray(lengths, dtype=np.int64)
         self.starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self.ends = np.cumsum(lengths) - 1
-        self.lengths = lengths
-        self.segment = np.repeat(np.arange(len(lengths)), lengths)
         self.record_starts = np.flatnonzero(np.diff(np.asarray(record), prepend=-1))  # first queue of each record
         self.measured = np.asarray(measured, dtype=np.float64)
 
     def predict(self, params: dict, scale: float = 1.0) -> np.ndarray:
-        """Each record's step: the sum of `queue_ends` over its queues, all queues' ops at once (each
-        queue's running maximum is kept out of the next one's by an offset larger than any step)."""
+        """Each record's step: the sum of `queue_ends` over its queues, every queue of every record at once."""
         eff = np.array([params[k] for k in _FMT_PARAM])
         k = np.maximum(self.compute / eff[self.fmt], self.memory / params["memory"])
-        s = np.cumsum(k)
-        issued = params["launch"] * np.arange(1, len(k) + 1, dtype=np.float64)
-        v = issued - (s - k)
-        base = v[self.starts] - params["launch"]  # issued - s just before the queue: its own origin
-        big = 2.0 * (issued[-1] + s[-1]) + 1.0
-        off = self.segment * big
-        run = np.maximum.accumulate(v + off) - off
-        ends = s + run - np.repeat(base, self.lengths)
-        queue = ends[self.ends] - (s[self.starts] - k[self.starts])
-        return scale * np.add.reduceat(queue, self.record_starts)
+        ends = queue_ends(k, np.full(len(k), params["launch"]), self.starts)
+        return scale * np.add.reduceat(ends[self.ends], self.record_starts)
 
     def shares(self, params: dict) -> dict:
         """The share of the records' predicted kernel and issue time each parameter governs."""
@@ -543,8 +548,7 @@ def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "", syncs=None, w
     if groups is None:
         weight = np.full(len(probes), 1.0 / len(probes))
     else:
-        groups = list(groups)
-        count = {k: groups.count(k) for k in set(groups)}
+        count = Counter(groups := list(groups))
         weight = np.array([1.0 / count[k] for k in groups]) / len(count)
     base = default_calibration(g).params()
     shares = pts.shares(base)
