@@ -416,13 +416,16 @@ def batch(model: str, size: dict, batch_size: int, generator: torch.Generator, d
     return {k: v.to(device) for k, v in out.items()}
 
 
-def loss(model: str, net: nn.Module, inputs: dict) -> torch.Tensor:
-    """Forward pass and the model's task loss (computed outside the model)."""
+def loss(model: str, net: nn.Module, inputs: dict, *, upcast: bool = False) -> torch.Tensor:
+    """Forward pass and the model's task loss (computed outside the model); `upcast`: the logits in fp32 first,
+    as a half model's trainer computes its loss (fairseq's log-softmax, transformers' own losses)."""
     if _given(model):
         return model.loss(net, inputs)
     labels = inputs["labels"]
     features = {k: v for k, v in inputs.items() if k != "labels"}
     logits = net(**features).logits
+    if upcast:
+        logits = logits.float()
     if spec(model).family in ("gpt", *DECODERS):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)
     return F.cross_entropy(logits, labels)

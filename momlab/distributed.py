@@ -181,6 +181,9 @@ def parallelize(w: Workload, strategy: str, *, offload: bool = False) -> Workloa
     if strategy == "none":
         w.options.update(parallel="none")
         return w
+    if w.half_model:
+        raise ValueError(f"{w.name} trains as a half model with fp32 master weights (the paper setup's fairseq "
+                         f"fp16); parallel strategies ({strategy}) run autocast: use setup='default', or one rank")
     # the strategy's own gradient buffers replace the one-GPU DDP buckets a setup emulates (`Stack.ddp_buckets`)
     w.ddp_buckets = False
     w.options["ddp_buckets"] = False

@@ -454,8 +454,13 @@ class _Tracer(StorageTracker):
                 return out
         out = func(*args, **kwargs)
         if func in _NORM_STATS and args[0].dtype in (torch.bfloat16, torch.float16):
-            main, *stats = out
-            out = (main, *(x.new_empty(x.shape, dtype=torch.float32) for x in stats))
+            # a norm's saved mean and inverse std for a half input: CUDA's kernels keep them in fp32; the CPU's
+            # batch norm in its weight's dtype, its layer norm in the input's (what the fake kernels give)
+            dtype = torch.float32 if self.kernels == "cuda" else (
+                args[1].dtype if func is aten.native_batch_norm.default and args[1] is not None else None)
+            if dtype is not None:
+                main, *stats = out
+                out = (main, *(x.new_empty(x.shape, dtype=dtype) for x in stats))
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -102,7 +102,8 @@ class StepTime:
     ``forward_s``, ``backward_s``, ``optimizer_s``: the ops of each phase
     (fused quantization kernels included, swap copies not); ``transfer_s``:
     both directions of swap's copies at the link's pinned bandwidth;
-    ``exposed_transfer_s``: the part of them compute did not hide.
+    ``exposed_transfer_s``: the part of them compute did not hide;
+    ``window``: what ``step_time_s`` covers (`WINDOWS`).
     """
 
     step_time_s: float
@@ -117,6 +118,7 @@ class StepTime:
     optimizer_s: float = 0.0
     fused_s: float = 0.0  # quantization's encode/decode kernels
     exposed_transfer_s: float = 0.0
+    window: str = "step"
 
 
 def _roofline(p, gpu, tf32: bool):
@@ -278,8 +280,11 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
     t, fused = op_seconds(p, gpu, cal, tf32=tf32, sync=bwd_n if sync else None)
     fwd, bwd, opt = float(t[:fwd_n].sum()), float(t[fwd_n:bwd_n].sum()), float(t[bwd_n:].sum())
     if gpu.kernels != "cuda":  # a CPU does one thing at a time (swap copies are ops of the trace here)
-        total = fwd + bwd + opt + parts["launch_s"]
-        return StepTime(total, **parts, transfer_s=0.0, forward_s=fwd, backward_s=bwd, optimizer_s=opt)
+        # each op in the window pays its launch; the optimizer's only when the window covers it
+        timed, timed_ops = (opt, n) if window == "step" else (0.0, bwd_n)
+        total = fwd + bwd + timed + timed_ops * cal.launch_s
+        return StepTime(total, **parts, transfer_s=0.0, forward_s=fwd, backward_s=bwd, optimizer_s=opt,
+                        window=window)
     copy = p.host_bytes / gpu.pinned_bandwidth
     if fwd_n == bwd_n == n:
         f, b = (max(fwd, 2 * copy) if swap == "overlap" else fwd + 2 * copy), 0.0
@@ -288,7 +293,7 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
     timed = opt if window == "step" else 0.0
     total = f + b + timed
     return StepTime(total, **parts, transfer_s=2 * copy, forward_s=fwd, backward_s=bwd, optimizer_s=opt,
-                    fused_s=fused, exposed_transfer_s=total - (fwd + bwd + timed))
+                    fused_s=fused, exposed_transfer_s=total - (fwd + bwd + timed), window=window)
 
 
 # -- calibration -----------------------------------------------------------------------------

@@ -21,21 +21,24 @@ The software stack beside model and MOM is a `Stack`, named by a *setup*:
 catalog's optimizer), "paper" the paper's own code per model (eager attention
 as the 2022 transformers and Swin code ran it, which keeps the attention
 probabilities and dropout masks; AdamW for BERT and Swin, Adam for GPT,
-SGD with momentum for ResNet; fp16 by autocast with fp32 weights as the
-master copy; GPT's MLP activation is exact GELU as in fairseq's GPT, where
-transformers' GPT-2 uses the tanh approximation, whose pow and tanh CUDA
-autocast runs in fp32, keeping several fp32 copies of the MLP's widest
-tensor; and gradients are zeroed in place rather than freed, as
+SGD with momentum for ResNet; fp16 by autocast with fp32 weights (BERT's
+accelerate/AMP, Swin's apex O1, ResNet's AMP), except GPT: fairseq's ``--fp16``
+runs a half model with a flat fp32 master copy in its optimizer
+(`momlab.master`, `Stack.mixed`), its attention dropout is off (fairseq's GPT-3
+architectures default it to 0.0) and its MLP activation is fairseq's exact GELU,
+computed in fp32 (where transformers' GPT-2 uses the tanh approximation);
+and gradients are zeroed in place rather than freed, as
 ``zero_grad()`` did before torch 2.0, so they stay allocated through the next
 forward; Swin's training script wraps the model in DistributedDataParallel even
 on one GPU, whose reducer keeps a second, flat copy of the gradients, its
 buckets: the GACT benchmark's Swin main.py, and the paper's Swin records,
 whose model-related memory is five copies of the weights); the optimizers
 step one parameter at a time (torch < 2.0's default; GPT's fairseq keeps one
-flat fp32 buffer, which `foreach` stands for); and a measured step covers what
-the paper's script timed (`Stack.timed`: its BERT script, GACT's run_glue.py,
-stops its CUDA events after ``loss.backward()``, before clipping and the
-optimizer). An explicit `attention` overrides the setup's.
+flat fp32 buffer, which `foreach` stands for); and an estimated step covers
+what the paper's script timed (`Stack.timed`: its BERT script, GACT's
+run_glue.py, stops its CUDA events after ``loss.backward()``, before clipping
+and the optimizer; ``Estimate.time["window"]`` says which), where `measure`
+always times the whole step. An explicit `attention` overrides the setup's.
 """
 
 from __future__ import annotations
@@ -50,11 +53,13 @@ from torch._subclasses.fake_tensor import is_fake
 
 from momlab import catalog
 from momlab.device import autocast, check_device
+from momlab.master import Fp32Gelu, LossScaler, MasterWeights
 from momlab.usermodel import resolve
 from momlab.errors import check_choice
 from momlab.moms import apply, parse_mom
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 FOREACH = True
 ATTENTIONS = ("eager", "sdpa")  # transformers' attn_implementation values momlab supports
@@ -92,7 +97,9 @@ class Stack:
     setup: str  # the named setup it came from: "default" or "paper"
     attention: str | None  # transformers' attn_implementation; None for models without attention
     optimizer: str  # adamw | adam | sgd
-    activation: str | None = None  # GPT's MLP activation replaced by this (transformers' ACT2FN name); None: keep
+    # GPT's MLP activation replaced by this (transformers' ACT2FN name, or "gelu-fp32": `momlab.master.Fp32Gelu`);
+    # None: keep
+    activation: str | None = None
     grads_to_none: bool = True  # zero_grad(set_to_none=...): torch >= 2.0's default frees the gradients
     # DistributedDataParallel on one GPU (Swin's main.py always wraps the model): its reducer keeps the gradients'
     # bucket buffers (gradient_as_bucket_view=False, the default), one more copy of the gradients; with ranks, the
@@ -104,13 +111,20 @@ class Stack:
     # what a step's time covers (momlab.timemodel.WINDOWS): "step"; "forward-backward" where the script that
     # measured it stopped its timer after backward
     timed: str = "step"
+    # how fp16/bf16 train (`momlab.master.SCHEMES`): "autocast" (fp32 weights, half ops), or "half-model" (fairseq's
+    # --fp16: the model itself in half precision, an fp32 master copy in the optimizer)
+    mixed: str = "autocast"
+    # the attention probabilities' dropout; None: the model config's (fairseq's GPT-3 architectures: 0.0)
+    attention_dropout: float | None = None
 
 
 def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
     """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
 
     >>> stack("bert-large", "paper")
-    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward')
+    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None)
+    >>> stack("gpt3-small", "paper").mixed
+    'half-model'
     >>> stack("gpt3-small", attention="eager").optimizer
     'adamw'
     """
@@ -127,9 +141,11 @@ def stack(model: str, setup: str = "default", attention: str | None = None) -> S
     # a transformers config or a user's module keeps its own optimizer: the paper never ran it
     optimizer = _PAPER_OPTIMIZER.get(family, spec.optimizer) if setup == "paper" else spec.optimizer
     paper = setup == "paper"
-    return Stack(setup, attention, optimizer, "gelu" if paper and family == "gpt" else None, not paper,
+    fairseq = paper and family == "gpt"
+    return Stack(setup, attention, optimizer, "gelu-fp32" if fairseq else None, not paper,
                  paper and family == "swin", foreach=not paper or family == "gpt",
-                 timed=_PAPER_TIMED.get(family, "step") if paper else "step")
+                 timed=_PAPER_TIMED.get(family, "step") if paper else "step",
+                 mixed="half-model" if fairseq else "autocast", attention_dropout=0.0 if fairseq else None)
 
 
 @dataclass
@@ -157,6 +173,7 @@ class Workload:
     grads_to_none: bool = True  # free the gradients after the optimizer step (else zero them in place)
     ddp_buckets: bool = False  # keep DistributedDataParallel's gradient buckets (`Stack.ddp_buckets`)
     buckets: list | None = None  # those buffers, one per gradient dtype, made before the first forward
+    half_model: bool = False  # the model itself is fp16/bf16 (`Stack.mixed` "half-model"): no autocast
 
     @contextmanager
     def _own_rng(self):
@@ -194,8 +211,11 @@ class Workload:
             self.buckets = [torch.empty(n, dtype=dt, device=self.device) for dt, n in sizes.items()]
         inputs = self.batch() if batch is None else batch
         context = self.handle.context() if self.handle is not None else nullcontext()
-        with autocast(self.device, self.precision), context:
-            loss = catalog.loss(self.name, self.model, inputs)
+        if self.half_model:  # images enter a half model in its precision, as fairseq's --fp16 casts its batch
+            dtype = _HALF[self.precision]
+            inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
+        with autocast(self.device, "fp32" if self.half_model else self.precision), context:
+            loss = catalog.loss(self.name, self.model, inputs, upcast=self.half_model)
         del inputs, batch
         if on_forward_end is not None:
             on_forward_end()
@@ -225,7 +245,11 @@ class Workload:
         training.
         """
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
+        if isinstance(self.scaler, LossScaler):
+            fresh = LossScaler()
+            fresh.load_state_dict(self.scaler.state_dict())
+            self.scaler = fresh
+        elif self.scaler is not None:
             fresh = torch.amp.GradScaler(self.device.type)
             fresh.load_state_dict(self.scaler.state_dict())
             self.scaler = fresh
@@ -235,6 +259,10 @@ class Workload:
         params = list(self.model.parameters()) + list(self.model.buffers())
         grads = [p.grad for p in self.model.parameters() if p.grad is not None] + list(self.buckets or ())
         opt = [v for st in self.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        if isinstance(self.optimizer, MasterWeights):  # the fp32 weights are optimizer state, their gradient a gradient
+            master, master_grad = self.optimizer.master_tensors()
+            opt.append(master)
+            grads.append(master_grad)
         return {"params": params, "grads": grads, "optimizer": opt}
 
 
@@ -251,19 +279,26 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     dev = check_device(device)
 
     torch.manual_seed(seed)
+    half = st.mixed == "half-model" and precision in _HALF
+    # a half model is made in its precision (converting a traced model's fake weights would swap their storage)
+    made_as = _default_dtype(_HALF[precision]) if half else nullcontext()
     if dev.type == "meta":
-        with torch.device("meta"):
+        with torch.device("meta"), made_as:
             net = catalog.make_model(model, size, attention=st.attention)
         net = net.to("meta")  # a user's module instance is copied with its own (cpu) weights
     else:
-        net = catalog.make_model(model, size, attention=st.attention)
+        with made_as:
+            net = catalog.make_model(model, size, attention=st.attention)
         if dev.type != "cpu":  # built on the CPU; .to() would try to swap a fake tensor's storage (estimate)
             net = net.to(dev)
     if st.activation is not None:
         from transformers.activations import ACT2FN
 
         for block in catalog.blocks(model, net):
-            block.mlp.act = ACT2FN[st.activation]
+            block.mlp.act = Fp32Gelu() if st.activation == "gelu-fp32" else ACT2FN[st.activation]
+    if st.attention_dropout is not None:
+        for block in catalog.blocks(model, net):
+            block.attn.attn_dropout.p = st.attention_dropout
     net.train()
     handle = None
     if mom != "exact":
@@ -276,21 +311,37 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
         handle = apply(net, mom, blocks=blocks)
     foreach = FOREACH and st.foreach
     if st.optimizer == "adamw":
-        opt = torch.optim.AdamW(net.parameters(), foreach=foreach, **ADAMW)
+        cls, kw = torch.optim.AdamW, ADAMW
     elif st.optimizer == "adam":  # the same two moments as AdamW, no decoupled weight decay
-        opt = torch.optim.Adam(net.parameters(), foreach=foreach, lr=ADAMW["lr"])
+        cls, kw = torch.optim.Adam, {"lr": ADAMW["lr"]}
     else:
-        opt = torch.optim.SGD(net.parameters(), foreach=foreach, **SGD)
-    scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" and dev.type != "meta" else None
+        cls, kw = torch.optim.SGD, SGD
+    if half:
+        opt = MasterWeights(net.parameters(), cls, foreach=foreach, **kw)
+        scaler = LossScaler() if precision == "fp16" else None
+    else:
+        opt = cls(net.parameters(), foreach=foreach, **kw)
+        scaler = torch.amp.GradScaler(dev.type) if precision == "fp16" and dev.type != "meta" else None
     gen = torch.Generator().manual_seed(seed)
     options = {
         "optimizer": st.optimizer, "foreach": foreach, "setup": st.setup, "activation": st.activation,
         "grads_to_none": st.grads_to_none, "ddp_buckets": st.ddp_buckets,
+        "mixed": "fp32" if precision == "fp32" else ("half-model" if half else "autocast"),
         "attn_implementation": getattr(getattr(net, "config", None), "_attn_implementation", None),
     }
     # steps continue the global stream from where the model's initialization left it (see _own_rng)
     return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen,
-                    _rng_state(dev), st.grads_to_none, st.ddp_buckets)
+                    _rng_state(dev), st.grads_to_none, st.ddp_buckets, half_model=half)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def _rng_state(device: torch.device) -> dict:

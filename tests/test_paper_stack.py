@@ -3,6 +3,8 @@ and the validation table against the paper's V100 data."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -90,6 +92,91 @@ def test_ddp_buckets_are_a_second_copy_of_the_gradients():
     # into the optimizer step, where the trace holds 4 KiB per sample more than the eager step (swin-tiny's 1000
     # fp32 logits are that size); with foreach, and for bert-base and resnet50 either way, they agree to the byte
     assert 0 <= e.peak_bytes - plain.peak_bytes <= 4096 * 2
+
+
+TINY_GPT = catalog.tiny("gpt3-small")
+
+
+def test_the_papers_gpt_trains_a_half_model_with_fp32_master_weights():
+    """fairseq's --fp16: fp16 weights, one flat fp32 master copy and fp32 gradient in the optimizer, fp16 gradients
+    freed after the step; the weights the model computes with are the master copy rounded."""
+    st = stack("gpt3-small", "paper")
+    assert (st.mixed, st.attention_dropout, st.activation) == ("half-model", 0.0, "gelu-fp32")
+    assert stack("gpt3-small").mixed == stack("bert-large", "paper").mixed == "autocast"
+    w = build("gpt3-small", batch_size=2, precision="fp16", setup="paper", **TINY_GPT)
+    assert w.options["mixed"] == "half-model" and {p.dtype for p in w.model.parameters()} == {torch.float16}
+    losses = [w.step() for _ in range(3)]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+    n = sum(p.numel() for p in w.model.parameters())
+    got = {k: sum(t.numel() * t.element_size() for t in v) for k, v in w.state_tensors().items()}
+    # params: fp16; grads: the flat fp32 gradient (the fp16 ones are freed); optimizer: master + Adam's two moments
+    # and its step count (one fp32 element: Adam steps one flat parameter)
+    assert got == {"params": 2 * n, "grads": 4 * n, "optimizer": 12 * n + 4}
+    master, offset = w.optimizer.master, 0
+    for p in w.model.parameters():
+        assert torch.equal(p, master[offset:offset + p.numel()].view_as(p).half())
+        offset += p.numel()
+    # fp32 stays what it was: no master copy, no half weights
+    plain = build("gpt3-small", batch_size=2, precision="fp32", setup="paper", **TINY_GPT)
+    assert plain.options["mixed"] == "fp32" and isinstance(plain.optimizer, torch.optim.Adam)
+
+
+def test_loss_scaling_skips_an_overflowing_step_and_halves_the_scale():
+    w = build("gpt3-small", batch_size=2, precision="fp16", setup="paper", **TINY_GPT)
+    w.step()
+    before = [p.detach().clone() for p in w.model.parameters()]
+    scale = w.scaler.scale_factor
+    loss = w.scaler.scale(catalog.loss(w.name, w.model, w.batch(), upcast=True))
+    loss.backward()
+    next(w.model.parameters()).grad.fill_(float("inf"))
+    w.scaler.step(w.optimizer)
+    w.scaler.update()
+    assert w.scaler.scale_factor == scale / 2
+    assert all(torch.equal(a, b) for a, b in zip(before, w.model.parameters()))
+    assert w.optimizer.master.grad.abs().sum() == 0  # the overflowing gradient is dropped
+
+
+def test_a_half_model_saves_half_attention_probabilities():
+    """What backward keeps per attention score: autocast's fp32 softmax output beside its fp16 copy and a dropout
+    mask; the half model (attention dropout off, as fairseq's GPT-3) one fp16 tensor; its GELU keeps an fp32
+    input."""
+    def saved(setup):
+        w = build("gpt3-small", batch_size=2, precision="fp16", setup=setup, attention="eager", **TINY_GPT)
+        w.step()
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((t.dtype, tuple(t.shape))) or t,
+                                                      lambda t: t):
+            w.step()
+        return kept
+    b, s, heads, c = 2, TINY_GPT["seq_len"], TINY_GPT["num_heads"], TINY_GPT["hidden_size"]
+    scores = (b, heads, s, s)
+    half = {dt for dt, shape in saved("paper") if shape == scores}
+    auto = {dt for dt, shape in saved("default") if shape == scores}
+    assert half == {torch.float16} and torch.float32 in auto and len(auto) > 1
+    assert (torch.float32, (b, s, 4 * c)) in saved("paper")  # fairseq's gelu(x.float())
+
+
+def test_a_half_model_trace_keeps_what_measure_keeps():
+    """The trace of a half model on the CPU agrees with the measured step to the byte (the CPU's layer norm keeps
+    half statistics for a half input, where CUDA's keeps fp32)."""
+    for mom in ("exact", "ckpt"):
+        m = measure("gpt3-small", mom, batch_size=2, steps=1, precision="fp16", setup="paper", **TINY_GPT)
+        e = E.estimate("gpt3-small", mom, batch_size=2, gpu="cpu", precision="fp16", setup="paper", **TINY_GPT)
+        assert (e.peak_bytes, e.activation_bytes, e.grads_bytes, e.optimizer_bytes) == \
+            (m.peak_bytes, m.activation_bytes, m.grads_bytes, m.optimizer_bytes), mom
+    cuda = E.estimate("gpt3-small", batch_size=2, gpu="V100-16", precision="fp16", setup="paper", **TINY_GPT)
+    cpu = E.estimate("gpt3-small", batch_size=2, gpu="cpu", precision="fp16", setup="paper", **TINY_GPT)
+    layer_norms = 2 * TINY_GPT["num_layers"] + 1
+    # two fp32 statistics per token and layer norm instead of two fp16 ones (allocator blocks round them up)
+    assert cuda.activation_bytes - cpu.activation_bytes >= layer_norms * 2 * 2 * 2 * TINY_GPT["seq_len"]
+
+
+def test_a_half_model_runs_on_one_rank_only():
+    from momlab.distributed import parallelize
+
+    w = build("gpt3-small", batch_size=2, precision="fp16", setup="paper", **TINY_GPT)
+    with pytest.raises(ValueError, match="half model .* setup='default', or one rank"):
+        parallelize(w, "ddp")
 
 
 def test_measurement_and_estimate_record_the_stack():

@@ -133,6 +133,21 @@ def test_loss_scaling_waits_for_the_gpu_before_the_optimizer():
         step_time(p, V100, cal, window="optimizer")
 
 
+def test_a_cpu_step_times_the_same_window():
+    """On a CPU (one op at a time, each paying its launch) the paper BERT's forward-backward window leaves the
+    optimizer's ops and their launches out too, and the step says which window it covers."""
+    cpu = get("cpu")
+    cal = _cal({**TRUTH, "launch": 1e-3})
+    ms = cpu.memory_bandwidth * TRUTH["memory"] * 1e-3
+    # 10 forward/backward ops of 5 ms, then 10 optimizer ops of 2 ms
+    p = _step([0.0] * 20, [ms * 5] * 10 + [ms * 2] * 10, [FP32] * 20, forward=4, backward=10)
+    whole = step_time(p, cpu, cal)
+    assert whole.step_time_s == pytest.approx(50e-3 + 20e-3 + 20 * 1e-3) and whole.window == "step"
+    timed = step_time(p, cpu, cal, window="forward-backward")
+    assert timed.step_time_s == pytest.approx(50e-3 + 10 * 1e-3) and timed.window == "forward-backward"
+    assert timed.optimizer_s == pytest.approx(whole.optimizer_s) == pytest.approx(20e-3)
+
+
 def test_fitted_efficiencies_stay_physical():
     """Times faster than the datasheet peak allows cannot push an efficiency above 1."""
     rng = np.random.default_rng(1)
