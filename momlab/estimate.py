@@ -461,6 +461,11 @@ class _Tracer(StorageTracker):
             if dtype is not None:
                 main, *stats = out
                 out = (main, *(x.new_empty(x.shape, dtype=dtype) for x in stats))
+        if func is aten.native_layer_norm_backward.default and out[0] is not None and not out[0].is_contiguous():
+            # both devices' kernels return the input's gradient contiguous (empty_like of the contiguous input);
+            # the fake kernel copies the incoming gradient's strides, and a transposed one (Swin's pooler) then
+            # costs the trace a copy the real step never makes
+            out = (out[0].new_empty(out[0].shape), *out[1:])
         return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
