@@ -281,6 +281,26 @@ def test_quant4_traces_align_and_match_measure(monkeypatch):
     assert quant.FOLD is False and quant.REPEAT == 1.0  # the fold does not leak out of a trace
 
 
+@pytest.mark.slow  # two traces of a tiny model: a few seconds
+def test_a_folded_quant4_trace_moves_the_bytes_of_the_unfolded_step(monkeypatch):
+    # the time model reads a folded pass's traffic times the passes it stands for; a real step pads at most
+    # one chunk of a tensor (its last), so the fold's padding copy counts once, not once per pass
+    monkeypatch.setattr(quant, "CHUNK", 4096)  # this tiny model's packed tensors then take 1 to 16 chunks
+
+    def traffic(mom: str, unfold: bool = False) -> float:
+        with monkeypatch.context() as m:
+            if unfold:  # every chunk run as a real step runs it
+                m.setattr(quant, "_folded", lambda n: False)
+            p = E._Session("bert-base", mom, "fp32", TINY_BERT, "cuda", attention="eager").probe(16)
+        return float(p.bytes.sum() + p.group_bytes.sum())
+
+    exact = traffic("exact")
+    folded, unfolded = traffic("quant4") - exact, traffic("quant4", unfold=True) - exact
+    # quantization's own traffic: above the real step's by at most one padded chunk per packed tensor (the
+    # fold pads whether or not the step does); counted once per pass, the padding made it 8% more here
+    assert unfolded <= folded <= 1.02 * unfolded
+
+
 # -- memory outside tensors --------------------------------------------------------------------
 
 def test_cuda_overheads_are_named_fields():

@@ -64,7 +64,8 @@ CHUNK = 1 << 20
 # A traced step (momlab.estimate) runs the chunk loops *folded*: one pass over the first chunk stands for
 # all of them. The passes are alike and each frees its temporaries, so memory is the same op by op, and the
 # ops no longer depend on the batch size (the chunk count grows with it), so traces at two batch sizes
-# align; `REPEAT` says how many passes the one stands for (a tracer scales that pass's traffic by it).
+# align; `REPEAT` says how many passes the one stands for (a tracer scales that pass's traffic by it, but
+# not the padding copy's: a real step pads one chunk at most, `_pad`).
 FOLD = False
 REPEAT = 1.0
 
@@ -155,6 +156,19 @@ def _kernel(fn):
     return fn if hook is None else functools.partial(hook, fn)
 
 
+def _pad(chunk: torch.Tensor, pad: int, folded: bool) -> torch.Tensor:
+    """`chunk` padded to whole groups with its last value. A real step pads at most one chunk of a tensor
+    (its last); a folded pass stands for every chunk, so its padding copy counts once, not `REPEAT` times."""
+    global REPEAT
+    if not folded:
+        return torch.cat([chunk, chunk[-1:].expand(pad)])
+    repeat, REPEAT = REPEAT, 1.0
+    try:
+        return torch.cat([chunk, chunk[-1:].expand(pad)])
+    finally:
+        REPEAT = repeat
+
+
 # -- public functions -------------------------------------------------------------
 
 def _done() -> None:
@@ -188,7 +202,7 @@ def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = 
             chunk = flat[start:start + CHUNK].float()
             pad = (-chunk.numel()) % GROUP_SIZE
             if pad or _folded(n):  # folded: the same ops whether or not this batch size needs padding
-                chunk = torch.cat([chunk, chunk[-1:].expand(pad)])
+                chunk = _pad(chunk, pad, _folded(n))
             noise = torch.rand(chunk.shape, generator=generator, device=chunk.device)
             codes, stats = encode(chunk, noise, bits)
             data[start * bits // 8:][:codes.numel()].copy_(codes)
