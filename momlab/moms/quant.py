@@ -160,9 +160,9 @@ def _pad(chunk: torch.Tensor, pad: int, folded: bool) -> torch.Tensor:
     """`chunk` padded to whole groups with its last value. A real step pads at most one chunk of a tensor
     (its last); a folded pass stands for every chunk, so its padding copy counts once, not `REPEAT` times."""
     global REPEAT
-    if not folded:
-        return torch.cat([chunk, chunk[-1:].expand(pad)])
-    repeat, REPEAT = REPEAT, 1.0
+    repeat = REPEAT
+    if folded:
+        REPEAT = 1.0
     try:
         return torch.cat([chunk, chunk[-1:].expand(pad)])
     finally:
@@ -198,11 +198,12 @@ def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = 
         groups = -(-n // GROUP_SIZE)
         data = torch.empty(groups * GROUP_SIZE * bits // 8, dtype=torch.uint8, device=x.device)
         meta = torch.empty(groups, 2, dtype=META_DTYPE, device=x.device)
+        folded = _folded(n)
         for start in _passes(n):
             chunk = flat[start:start + CHUNK].float()
             pad = (-chunk.numel()) % GROUP_SIZE
-            if pad or _folded(n):  # folded: the same ops whether or not this batch size needs padding
-                chunk = _pad(chunk, pad, _folded(n))
+            if pad or folded:  # folded: the same ops whether or not this batch size needs padding
+                chunk = _pad(chunk, pad, folded)
             noise = torch.rand(chunk.shape, generator=generator, device=chunk.device)
             codes, stats = encode(chunk, noise, bits)
             data[start * bits // 8:][:codes.numel()].copy_(codes)
