@@ -670,7 +670,8 @@ class Profile:
         below = batch_size < self.lo.batch_size and self.lo.batch_size != TRACE_BATCHES[0]
         if trace or below or not self.aligned:
             if batch_size not in self.direct:
-                self.direct[batch_size] = self.session.probe(batch_size)
+                self.direct[batch_size] = (None if trace else self._unrolled(batch_size)) or \
+                    self.session.probe(batch_size)
             return self.direct[batch_size]
         lo, hi = self.lo, self.hi
         lerp = lambda x, y: self._lerp(x, y, batch_size)  # noqa: E731
@@ -685,6 +686,19 @@ class Profile:
             padding=None if lo.padding is None else np.rint(lerp(lo.padding.astype(np.float64),
                                                                  hi.padding.astype(np.float64))).astype(np.int64),
             forward_grads=lo.forward_grads)
+
+    def _unrolled(self, batch_size: int) -> Probe | None:
+        """For a profile unrolled from shallow copies (`depths`), the step at `batch_size` unrolled from theirs
+        (each traced at that batch: two shallow steps, not one at full depth); None where that is not a stack."""
+        if self.depths is None:
+            return None
+        st = stack(self.model, self.setup, self.attention)
+        a, b = (_profile(self.model, self.mom, self.precision, {**self.size, "num_layers": d}, self.kernels, st)
+                .at(batch_size) for d in self.depths)
+        try:
+            return _unroll(a, b, self.size["num_layers"] - self.depths[0])
+        except _NotAStack:
+            return None
 
     def peak_bytes(self, batch_sizes) -> np.ndarray:
         """Predicted peak at each of `batch_sizes` (vectorized)."""
@@ -742,8 +756,14 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
                          f"(momlab.measure); estimate 'exact' and 'ckpt', which bound it")
     check_choice("precision", precision, PRECISIONS)
     check_choice("kernels", kernels, ("cuda", "cpu"))
+    return _profile(model, mom, precision, size, kernels, st)
+
+
+def _profile(model, mom, precision, size, kernels, st, pair: tuple[int, int] | None = None) -> Profile:
+    """`profile` of checked arguments; `pair`: two batch sizes to trace first (the batches a shallower copy's
+    traces aligned at, `_depth_profile`), the usual search from ``TRACE_BATCHES[0]`` when they do not align."""
     key = (model, mom, precision, tuple(sorted(size.items())), kernels, st.attention, st.setup)
-    with _LOCK:
+    with _LOCK, _old_objects_frozen():
         prof = _PROFILES.get(key)
         if prof is None:
             disk = _disk_path(model, mom, precision, size, kernels, st) if isinstance(model, str) else None
@@ -756,11 +776,13 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
             session = None
             if probes is None:
                 session = _Session(model, mom, precision, size, kernels, attention=st.attention, setup=st.setup)
-                probes = [session.probe(TRACE_BATCHES[0])]
-                for b in TRACE_BATCHES[1:]:
-                    probes.append(session.probe(b))
-                    if _aligned(probes[-2], probes[-1]):
-                        break
+                probes = [session.probe(b) for b in pair] if pair is not None else []
+                if not (probes and _aligned(*probes)):
+                    probes = [session.probe(TRACE_BATCHES[0])]
+                    for b in TRACE_BATCHES[1:]:
+                        probes.append(session.probe(b))
+                        if _aligned(probes[-2], probes[-1]):
+                            break
                 if disk is not None:
                     _save(*disk, probes)
             direct = {p.batch_size: p for p in probes[:-2]}
@@ -768,6 +790,29 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
                            disk[0] if session is None else None, session, st.attention, st.setup)
             _PROFILES[key] = prof
     return prof
+
+
+# nesting depth of `_old_objects_frozen` (under `_LOCK`)
+_FROZEN = [0]
+
+
+@contextmanager
+def _old_objects_frozen():
+    """Within (the outermost entry counts), the garbage collector skips every object older than the entry
+    (`gc.freeze`): the collection before each traced step (`_Session.probe`), which must free the last
+    step's cycles, then scans only what tracing made, not the whole process (0.13 s a full collection with
+    transformers imported, four or more a profile). Unfrozen on exit; a process that froze objects itself
+    keeps its own freeze and full collections."""
+    outer = _FROZEN[0] == 0 and gc.get_freeze_count() == 0
+    if outer:
+        gc.freeze()
+    _FROZEN[0] += 1
+    try:
+        yield
+    finally:
+        _FROZEN[0] -= 1
+        if outer:
+            gc.unfreeze()
 
 
 # -- depth: a stack of identical blocks, traced shallow ---------------------------------------
@@ -793,7 +838,7 @@ def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if len(diff) else n
 
 
-def _unroll_phase(ka, kb, va, vb, m: int):
+def _unroll_phase(ka, kb, va, vb, m: int, all_values: bool = False):
     """One phase (forward, backward or optimizer) at `m` more blocks than trace `a`, `b` having one more.
 
     ``ka``, ``kb``: per-op keys (op, format, kernel group) of the two traces; ``va``, ``vb``: per-op values
@@ -823,7 +868,10 @@ def _unroll_phase(ka, kb, va, vb, m: int):
             return False
         # the live bytes of consecutive blocks differ by the same amount, op by op (gamma); at an i that
         # reaches into the ops before or after the stack (which may repeat a block's first or last ops) not
-        second = vb[i - 2 * k:i - k, :2] - 2 * vb[i - k:i, :2] + vb[i:i + k, :2]
+        # (`all_values`: every value, not only the live and padding bytes: a part of a phase whose ops all look
+        # alike, one zero_ a gradient, may hold other tensors' ops at its ends)
+        cols = slice(None) if all_values else slice(0, 2)
+        second = vb[i - 2 * k:i - k, cols] - 2 * vb[i - k:i, cols] + vb[i:i + k, cols]
         return not second.any()
 
     fits = [i for i in range(lo, hi + 1) if blocks(i)]
@@ -836,6 +884,25 @@ def _unroll_phase(ka, kb, va, vb, m: int):
     keys = np.concatenate([ka[:i], *([kb[i:i + k]] * m), ka[i:]])
     vals = np.concatenate([va[:i] + m * (vb[:i] - va[:i]), *copies, va[i:] + m * (vb[i + k:] - va[i:])])
     return keys, vals
+
+
+def _unroll_parts(ka, kb, va, vb, m: int):
+    """`_unroll_phase`, or where a phase holds more than one stack (the paper stack's optimizer: a loop over
+    the parameters, then the loss scaler's update, then a loop zeroing every gradient), each part between
+    the ops that run exactly once in both traces, in the same order, unrolled on its own."""
+    try:
+        return _unroll_phase(ka, kb, va, vb, m)
+    except _NotAStack:
+        ua, ca = np.unique(ka, return_counts=True)
+        ub, cb = np.unique(kb, return_counts=True)
+        once = np.intersect1d(ua[ca == 1], ub[cb == 1])
+        ia, ib = np.flatnonzero(np.isin(ka, once)), np.flatnonzero(np.isin(kb, once))
+        if not len(ia) or not np.array_equal(ka[ia], kb[ib]):
+            raise
+    cuts_a, cuts_b = np.r_[0, np.c_[ia, ia + 1].ravel(), len(ka)], np.r_[0, np.c_[ib, ib + 1].ravel(), len(kb)]
+    parts = [_unroll_phase(ka[a0:a1], kb[b0:b1], va[a0:a1], vb[b0:b1], m, all_values=True)
+             for a0, a1, b0, b1 in zip(cuts_a[:-1], cuts_a[1:], cuts_b[:-1], cuts_b[1:])]
+    return np.concatenate([k for k, _ in parts]), np.concatenate([v for _, v in parts])
 
 
 def _phase_arrays(p: Probe):
@@ -860,7 +927,7 @@ def _unroll(a: Probe, b: Probe, m: int) -> Probe:
     (ka, va, ea), (kb, vb, eb) = _phase_arrays(a), _phase_arrays(b)
     keys, vals, ends = [], [], [0]
     for ph in range(3):
-        k, v = _unroll_phase(ka[ea[ph]:ea[ph + 1]], kb[eb[ph]:eb[ph + 1]], va[ea[ph]:ea[ph + 1]],
+        k, v = _unroll_parts(ka[ea[ph]:ea[ph + 1]], kb[eb[ph]:eb[ph + 1]], va[ea[ph]:ea[ph + 1]],
                              vb[eb[ph]:eb[ph + 1]], m)
         keys.append(k), vals.append(v), ends.append(ends[-1] + len(k))
     keys, vals = np.concatenate(keys), np.concatenate(vals)
@@ -884,12 +951,21 @@ def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
     on disk too, and shared by every depth), or None where that does not apply or the traces are not a stack."""
     if not (EXTRAPOLATE_DEPTH and isinstance(model, str) and catalog.spec(model).family in DEPTH_FAMILIES):
         return None
+    if st.mixed == "half-model" and precision != "fp32":
+        # the master weights and their gradient are one flat tensor each, whose size grows with the depth:
+        # its allocator round-up (`Probe.padding`) is not affine in the depth
+        return None
     base = DEPTH_BASE
     if size.get("num_layers", 0) <= base + 1:
         return None
-    shallow = [profile(model, mom, precision=precision, kernels=kernels, attention=st.attention, setup=st.setup,
-                       **{**size, "num_layers": d}) for d in (base, base + 1)]
-    if not all(p.aligned for p in shallow):
+    first = _profile(model, mom, precision, {**size, "num_layers": base}, kernels, st)
+    if not first.aligned:
+        return None
+    # one block deeper, the same tensors are quantized in the same chunks: try the batches that aligned first
+    # (quant4's traces align only from 4 to 16, and three traces are saved)
+    shallow = [first, _profile(model, mom, precision, {**size, "num_layers": base + 1}, kernels, st,
+                               pair=(first.lo.batch_size, first.hi.batch_size))]
+    if not shallow[1].aligned:
         return None
     b1, b2 = max(p.lo.batch_size for p in shallow), max(p.hi.batch_size for p in shallow)
     m = size["num_layers"] - base
@@ -1394,7 +1470,8 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
     ratio to exact's (inf when exact does not fit at all). With `batch_size`
     the estimate at that batch is included (does it fit, how fast). S2 (when
     `dim` is given, e.g. "num_layers", with `batch_size`): the largest model
-    each MOM trains and its ratio to exact's. ``text`` says it in one line each.
+    each MOM trains, its ratio to exact's and what it keeps in host memory (swap: nothing bounds
+    that here). ``text`` says it in one line each.
 
     >>> verdict("bert-large", ["exact", "ckpt"], gpu="A100-40", batch_size=256)["text"]  # doctest: +SKIP
     """
@@ -1451,14 +1528,19 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
             if r.get("applicable"):
                 v = predict_max_size(model, r["mom"], dim=dim, batch_size=batch_size, gpu=gpu, precision=precision,
                                      budget=budget, attention=attention, setup=setup, **size)
-                s2rows.append({"mom": r["mom"], dim: v})
+                # what the deepest model keeps in host memory (swap's copies): nothing here bounds it
+                host = profile(model, r["mom"], precision=precision, kernels=get_gpu(gpu).kernels, attention=attention,
+                               setup=setup, **{**size, dim: v}).at(batch_size).host_bytes if v else 0
+                s2rows.append({"mom": r["mom"], dim: v, "host_bytes": host})
         base = next((r[dim] for r in s2rows if r["mom"] == "exact"), 0)
         best = max(s2rows, key=lambda r: r[dim]) if s2rows else None
         out["s2"] = {"dim": dim, "batch_size": batch_size, "rows": s2rows, "best": best["mom"] if best else None,
                      "ratio_vs_exact": (best[dim] / base if base else math.inf) if best else math.nan}
         if best:
             text.append(f"S2: {best['mom']} trains the largest {model} at batch {batch_size}: {dim}={best[dim]}"
-                        + (f" ({best[dim] / base:.2f}x exact's {base})" if base else " (exact fits none)"))
+                        + (f" ({best[dim] / base:.2f}x exact's {base})" if base else " (exact fits none)")
+                        + (f", with {format_bytes(best['host_bytes'])} in host memory (not bounded here)"
+                           if best["host_bytes"] else ""))
     out["text"] = "\n".join(text)
     return out
 

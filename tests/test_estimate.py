@@ -9,6 +9,7 @@ traced, the catalog numbers, calibration from records, the closed forms.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import subprocess
@@ -252,23 +253,76 @@ def _same_step(a: Probe, b: Probe) -> bool:
                                                                        b.optimizer_bytes, b.forward_live, b.forward_host))
 
 
-@pytest.mark.parametrize("model,mom,kernels", [
-    ("bert-base", "exact", "cuda"), ("gpt2", "quant4+ckpt", "cuda"), ("resnet50", "swap", "cpu"),
+@pytest.mark.parametrize("model,mom,kernels,setup,precision,unrolls", [
+    ("bert-base", "exact", "cuda", "default", "fp32", True), ("gpt2", "quant4+ckpt", "cuda", "default", "fp32", True),
+    ("resnet50", "swap", "cpu", "default", "fp32", True),
+    # the paper stack: a per-parameter AdamW loop, the loss scaler, then a loop zeroing every gradient (two stacks
+    # in the optimizer phase); quant4's pair of aligned batches reused one block deeper
+    ("bert-base", "quant4", "cuda", "paper", "fp16", True),
+    # fairseq's half model: the flat master copy's allocator round-up is not affine in the depth (traced whole)
+    ("gpt3-small", "exact", "cuda", "paper", "fp16", False),
 ])
-def test_a_deep_stack_unrolled_from_shallow_traces_equals_a_full_trace(model, mom, kernels, monkeypatch):
+def test_a_deep_stack_unrolled_from_shallow_traces_equals_a_full_trace(model, mom, kernels, setup, precision, unrolls,
+                                                                       monkeypatch):
     """Depth extrapolation (issue 13): traces at 3 and 4 blocks give every deeper step op for op, byte for
     byte, as tracing the full depth does, at three depths."""
-    size = catalog.tiny(model)
+    size = catalog.tiny("gpt2" if model == "gpt3-small" else model)
     for depth in (5, 7, 10):
         clear_cache()
         monkeypatch.setattr("momlab.estimate.EXTRAPOLATE_DEPTH", True)
-        unrolled = profile(model, mom, kernels=kernels, **{**size, "num_layers": depth})
+        unrolled = profile(model, mom, kernels=kernels, setup=setup, precision=precision,
+                           **{**size, "num_layers": depth})
         clear_cache()
         monkeypatch.setattr("momlab.estimate.EXTRAPOLATE_DEPTH", False)
-        full = profile(model, mom, kernels=kernels, **{**size, "num_layers": depth})
-        assert unrolled.depths == (3, 4) and full.depths is None
+        full = profile(model, mom, kernels=kernels, setup=setup, precision=precision, **{**size, "num_layers": depth})
+        assert unrolled.depths == ((3, 4) if unrolls else None) and full.depths is None
         assert _same_step(unrolled.lo, full.lo) and _same_step(unrolled.hi, full.hi), (model, mom, depth)
         assert unrolled.max_batch_size(2 ** 28) == full.max_batch_size(2 ** 28)
+
+
+def test_below_its_aligned_batches_an_unrolled_stack_is_unrolled_too(monkeypatch):
+    """quant4's traces align only once every packed tensor takes several chunks (at real size from batch 4 or
+    16); a smaller batch of a deep stack is unrolled from two shallow steps at that batch, equal to the full
+    trace, without building the full-depth workload."""
+    monkeypatch.setattr("momlab.moms.quant.CHUNK", 4096)  # this tiny model's traces then align from batch 4
+    size = {**catalog.tiny("bert-base"), "num_layers": 6}
+    clear_cache()
+    unrolled = profile("bert-base", "quant4", **size)
+    assert unrolled.depths == (3, 4) and unrolled.lo.batch_size == 4
+    steps = {b: unrolled.at(b) for b in (1, 3)}
+    assert unrolled._session is None
+    clear_cache()
+    monkeypatch.setattr("momlab.estimate.EXTRAPOLATE_DEPTH", False)
+    full = profile("bert-base", "quant4", **size)
+    for b, step in steps.items():
+        assert _same_step(step, full.at(b)), b
+
+
+def test_tracing_leaves_the_garbage_collector_as_it_found_it(monkeypatch):
+    """A profile freezes the process's older objects while it traces (its collections then scan only what
+    tracing made) and unfreezes them after, even when tracing fails; a process's own freeze is kept."""
+    size = {**catalog.tiny("bert-base"), "num_layers": 5}
+    clear_cache()
+    assert gc.get_freeze_count() == 0
+    profile("bert-base", "exact", **size)
+    assert gc.get_freeze_count() == 0
+    clear_cache()
+
+    def killed(self, batch_size):
+        raise RuntimeError("killed mid-trace")
+
+    with monkeypatch.context() as m:
+        m.setattr("momlab.estimate._Session.probe", killed)
+        with pytest.raises(RuntimeError, match="killed mid-trace"):
+            profile("bert-base", "exact", **size)
+    assert gc.get_freeze_count() == 0
+    clear_cache()
+    gc.freeze()
+    try:
+        profile("bert-base", "ckpt", **size)
+        assert gc.get_freeze_count() > 0  # the process's own freeze was not undone (unfreeze empties it)
+    finally:
+        gc.unfreeze()
 
 
 def test_an_unrolled_stack_is_the_measured_step(_no_records):
@@ -410,6 +464,22 @@ def test_verdict_answers_fit_and_speed(_no_records):
     assert v["s1"]["best"] == max(rows.values(), key=lambda r: r["throughput"])["mom"]
     assert rows["exact"]["fits_at_batch"] is (rows["exact"]["max_batch"] >= 64)
     assert "S1" in v["text"] and "ckpt at batch 64" in v["text"]
+
+
+def test_the_s2_verdict_names_the_deepest_model_and_its_host_memory(_no_records):
+    """S2: the deepest model each MOM trains under the budget, and what swap's deepest keeps on the host (which
+    nothing bounds in an estimate): the same numbers as asking for that model's estimate."""
+    size = {k: v for k, v in catalog.tiny("bert-base").items() if k != "num_layers"}
+    budget = 64 * 2 ** 20
+    v = verdict("bert-base", ["exact", "swap"], gpu="cpu", batch_size=8, budget=budget, dim="num_layers",
+                results=_no_records, **size)
+    rows = {r["mom"]: r for r in v["s2"]["rows"]}
+    assert rows["swap"]["num_layers"] > rows["exact"]["num_layers"] > 0 and v["s2"]["best"] == "swap"
+    assert rows["exact"]["num_layers"] == predict_max_size("bert-base", batch_size=8, gpu="cpu", budget=budget, **size)
+    deepest = estimate("bert-base", "swap", batch_size=8, gpu="cpu", results=_no_records,
+                       **{**size, "num_layers": rows["swap"]["num_layers"]})
+    assert deepest.fits and rows["swap"]["host_bytes"] == deepest.host_bytes > 0 and rows["exact"]["host_bytes"] == 0
+    assert "in host memory" in v["text"].splitlines()[-1]
 
 
 def test_verdict_skips_moms_that_do_not_apply(_no_records):
