@@ -40,8 +40,12 @@ moment of the peak may move: weights-heavy optimizer step at small batches,
 end of forward at large ones). The largest batch that fits follows in closed
 form. Traces are cached per (model, MOM, precision, size, kernels), in the
 process and on disk (build/cache/traces, see `TRACE_CACHE`): a trace costs
-about 1.1 ms an op (bert-large: 2,000 ops a step, three steps), reading it
-back about ten milliseconds (a new process: a notebook kernel, the CLI).
+about half a millisecond an op, reading it back about ten milliseconds (a
+new process: a notebook kernel, the CLI). A deep stack of identical blocks
+is traced 3 and 4 blocks deep and unrolled to its depth (`_depth_profile`),
+and a quantization pack or unpack already traced for a tensor of the same
+signature is replayed, not dispatched again (`_Tracer.replay`); both give the
+full trace to the byte, and a first bert-large estimate takes 1.2-2.9 s here.
 
 Time comes from momlab.timemodel (a roofline per traced op, calibrated on
 measured records of the device); the traces here are its input.
@@ -326,10 +330,11 @@ def _kernels(kernels: str, tracer=None):
         lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
         _register_cuda_autocast(lib)
     _quant.TRACE_KERNEL = tracer.kernel if tracer is not None else None
+    _quant.TRACE_CALL = tracer.replay if tracer is not None else None
     try:
         yield
     finally:
-        _quant.TRACE_KERNEL = None
+        _quant.TRACE_KERNEL = _quant.TRACE_CALL = None
         lib._destroy()
         _quant.FOLD = False
 
@@ -365,6 +370,38 @@ def _is_query(func) -> bool:
     return query
 
 
+# recorded quantization calls of traces for a GPU (`_Tracer.replay`): key -> what the call logged and returned
+_REPLAYS: dict = {}
+
+
+def _tensor_spec(t):
+    """(shape, dtype, device) of a tensor that is its whole storage, contiguous; None for any other."""
+    if not (isinstance(t, torch.Tensor) and t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size() and not t.requires_grad):
+        return None
+    return tuple(t.shape), t.dtype, t.device
+
+
+def _result_spec(out):
+    """How to allocate `out` (a tensor, or quant's Packed) afresh; None where it cannot be."""
+    if isinstance(out, _quant.Packed):
+        data = _tensor_spec(out.data)
+        meta = None if out.meta is None else _tensor_spec(out.meta)
+        if data is None or (out.meta is not None and meta is None):
+            return None
+        return "packed", data, meta, out.shape, out.dtype, out.bits
+    t = _tensor_spec(out)
+    return None if t is None else ("tensor", t)
+
+
+def _from_spec(spec):
+    empty = lambda t: torch.empty(t[0], dtype=t[1], device=t[2])  # noqa: E731
+    if spec[0] == "tensor":
+        return empty(spec[1])
+    _, data, meta, shape, dtype, bits = spec
+    return _quant.Packed(empty(data), None if meta is None else empty(meta), shape, dtype, bits)
+
+
 class _Tracer(StorageTracker):
     """The storage accounting of `momlab.measure`, on a traced step, with a log of every op.
 
@@ -392,6 +429,7 @@ class _Tracer(StorageTracker):
         self.kernels = kernels
         self.log = None
         self.events = None  # a list: every device allocation and free, in order (`allocation_events`)
+        self.group = -1  # the fused kernel being traced (`kernel`); -1: none
         if kernels == "cuda":
             self.granule = ALLOCATOR_BLOCK
 
@@ -429,6 +467,67 @@ class _Tracer(StorageTracker):
         log, self.log = self.log, None
         return log
 
+    _COLUMNS = ("flops", "extra", "bytes", "fmt", "op")
+
+    def replay(self, fn, key, arg):
+        """`fn(arg)` (quant's pack or unpack, `quant.TRACE_CALL`), or a replay of a recorded call of the same `key`:
+        its log entries (live and padding bytes relative to the call's start, kernel groups renumbered) and its
+        results allocated fresh. Recorded only where the call's lasting effect is exactly its results (new,
+        whole, contiguous storages on the device; nothing else freed or kept), and never while allocation
+        events are kept (the allocator replay needs every temporary)."""
+        if self.events is not None or self.group >= 0:
+            return fn(arg)
+        # a pack runs in forward, under the step's autocast (fake tensors are CPU tensors)
+        key = (key, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        rec = _REPLAYS.get(key)
+        if rec is not None:
+            return self._replayed(rec)
+        scratch = self.log is None  # a step not logged (the warm-up): its calls are recorded all the same
+        if scratch:
+            self.start()
+        log = self.log
+        n0, g0 = len(log["flops"]), len(log["group_bytes"])
+        live0, pad0, host0, before = self.device_bytes, self.padding_bytes, self.host_bytes, set(self._live)
+        try:
+            out = fn(arg)
+        finally:
+            if scratch:
+                self.log = None
+        if len(log["flops"]) == n0:
+            return out  # nothing ran (a tensor kept as it is)
+        spec = _result_spec(out)
+        if spec is None or self.host_bytes != host0:
+            return out
+        results = [t for t in (out if isinstance(out, _quant.Packed) else (out,)) if isinstance(t, torch.Tensor)]
+        keys = {t.untyped_storage()._cdata for t in results}
+        nbytes = [t.untyped_storage().nbytes() for t in results]
+        pads = [0 if self.granule == 1 else -(-n // self.granule) * self.granule - n for n in nbytes]
+        if (len(keys) == len(results) and not keys & before and all(t.device.type in self.devices for t in results)
+                and self.device_bytes - live0 == sum(nbytes) and self.padding_bytes - pad0 == sum(pads)):
+            _REPLAYS[key] = (spec, [log[k][n0:] for k in self._COLUMNS], [v - live0 for v in log["live"][n0 + 1:]],
+                             [v - pad0 for v in log["pad"][n0 + 1:]],
+                             [g - g0 if g >= 0 else g for g in log["group"][n0:]], log["group_bytes"][g0:])
+        return out
+
+    def _replayed(self, rec):
+        spec, columns, live, pad, groups, group_bytes = rec
+        log, live0, pad0 = self.log, self.device_bytes, self.padding_bytes
+        self.log = None  # the results are allocated on the books, not logged as ops
+        try:
+            out = _from_spec(spec)
+        finally:
+            self.log = log
+        if log is None:
+            return out
+        g0 = len(log["group_bytes"])
+        for k, values in zip(self._COLUMNS, columns):
+            log[k].extend(values)
+        log["live"].extend(live0 + d for d in live)
+        log["pad"].extend(pad0 + d for d in pad)
+        log["group"].extend(g + g0 if g >= 0 else g for g in groups)
+        log["group_bytes"].extend(group_bytes)
+        return out
+
     def kernel(self, fn, *args):
         """Run `fn` (a function of tensors a GPU runs as one compiled kernel: quant's encode and decode) and
         log its ops as one group, whose traffic is its tensor arguments and results (`quant.TRACE_KERNEL`)."""
@@ -455,9 +554,12 @@ class _Tracer(StorageTracker):
         out = func(*args, **kwargs)
         if func in _NORM_STATS and args[0].dtype in (torch.bfloat16, torch.float16):
             # a norm's saved mean and inverse std for a half input: CUDA's kernels keep them in fp32; the CPU's
-            # batch norm in its weight's dtype, its layer norm in the input's (what the fake kernels give)
+            # batch norm in its weight's dtype, its layer norm in fp32 when its weight is fp32 (autocast: a "mixed
+            # type" layer norm) and in the input's dtype otherwise (a half model; what the fake kernels give)
+            weight = args[1] if func is aten.native_batch_norm.default else (args[2] if len(args) > 2 else None)
             dtype = torch.float32 if self.kernels == "cuda" else (
-                args[1].dtype if func is aten.native_batch_norm.default and args[1] is not None else None)
+                None if weight is None else weight.dtype if func is aten.native_batch_norm.default
+                else torch.float32 if weight.dtype == torch.float32 else None)
             if dtype is not None:
                 main, *stats = out
                 out = (main, *(x.new_empty(x.shape, dtype=dtype) for x in stats))
@@ -983,6 +1085,7 @@ def clear_cache() -> None:
     """Forget every trace and calibration cached in this process (the traces on disk stay)."""
     with _LOCK:
         _PROFILES.clear()
+        _REPLAYS.clear()
     timemodel.clear_cache()
 
 

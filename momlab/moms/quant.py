@@ -156,6 +156,13 @@ def _kernel(fn):
     return fn if hook is None else functools.partial(hook, fn)
 
 
+# ... and this: a step packs many tensors of one shape (every block saves the same ones), whose ops, traffic and
+# memory are the same each time, so the tracer may replay a recorded pack (or unpack) of the same signature
+# rather than dispatch its ops again; it is called as TRACE_CALL(fn, key, arg), `key` naming everything the
+# call's ops depend on. None: run fn(arg).
+TRACE_CALL = None
+
+
 def _pad(chunk: torch.Tensor, pad: int, folded: bool) -> torch.Tensor:
     """`chunk` padded to whole groups with its last value. A real step pads at most one chunk of a tensor
     (its last); a folded pass stands for every chunk, so its padding copy counts once, not `REPEAT` times."""
@@ -267,6 +274,22 @@ class Quantizer:
         self._programs: dict[str, tuple] = {}
 
     def pack(self, x: torch.Tensor):
+        hook = TRACE_CALL
+        if hook is None:
+            return self._pack(x)
+        key = ("pack", self.bits, self.min_numel, self.compile, CHUNK, GROUP_SIZE, FOLD, x.device.type, x.dtype,
+               tuple(x.shape), x.stride(), x.storage_offset(), x.untyped_storage().nbytes())
+        return hook(self._pack, key, x)
+
+    def unpack(self, h):
+        hook = TRACE_CALL
+        if hook is None or not isinstance(h, Packed):
+            return self._unpack(h)
+        key = ("unpack", self.compile, CHUNK, GROUP_SIZE, FOLD, h.data.device.type, h.shape, h.dtype, h.bits,
+               tuple(h.data.shape), h.data.dtype, None if h.meta is None else (tuple(h.meta.shape), h.meta.dtype))
+        return hook(self._unpack, key, h)
+
+    def _pack(self, x: torch.Tensor):
         if x.numel() < self.min_numel or (x.dim() > 1 and x.shape[-1] == 1):
             # kept exact; but a small view (BERT's pooler saves hidden[:, 0])
             # would pin its whole storage: a compact copy lets that go
@@ -281,7 +304,7 @@ class Quantizer:
         encode, _ = self._program(x.device)
         return quantize(x, self.bits, generator=self._generator(x.device), encode=_kernel(encode))
 
-    def unpack(self, h):
+    def _unpack(self, h):
         if isinstance(h, Packed):
             _, decode = self._program(h.data.device)
             return dequantize(h, decode=_kernel(decode))
