@@ -556,10 +556,13 @@ class _Tracer(StorageTracker):
             # a norm's saved mean and inverse std for a half input: CUDA's kernels keep them in fp32; the CPU's
             # batch norm in its weight's dtype, its layer norm in fp32 when its weight is fp32 (autocast: a "mixed
             # type" layer norm) and in the input's dtype otherwise (a half model; what the fake kernels give)
-            weight = args[1] if func is aten.native_batch_norm.default else (args[2] if len(args) > 2 else None)
-            dtype = torch.float32 if self.kernels == "cuda" else (
-                None if weight is None else weight.dtype if func is aten.native_batch_norm.default
-                else torch.float32 if weight.dtype == torch.float32 else None)
+            if self.kernels == "cuda":
+                dtype = torch.float32
+            elif func is aten.native_batch_norm.default:
+                dtype = None if args[1] is None else args[1].dtype
+            else:
+                weight = args[2] if len(args) > 2 else None
+                dtype = torch.float32 if weight is not None and weight.dtype == torch.float32 else None
             if dtype is not None:
                 main, *stats = out
                 out = (main, *(x.new_empty(x.shape, dtype=dtype) for x in stats))
@@ -894,25 +897,19 @@ def _profile(model, mom, precision, size, kernels, st, pair: tuple[int, int] | N
     return prof
 
 
-# nesting depth of `_old_objects_frozen` (under `_LOCK`)
-_FROZEN = [0]
-
-
 @contextmanager
 def _old_objects_frozen():
-    """Within (the outermost entry counts), the garbage collector skips every object older than the entry
-    (`gc.freeze`): the collection before each traced step (`_Session.probe`), which must free the last
-    step's cycles, then scans only what tracing made, not the whole process (0.13 s a full collection with
-    transformers imported, four or more a profile). Unfrozen on exit; a process that froze objects itself
-    keeps its own freeze and full collections."""
-    outer = _FROZEN[0] == 0 and gc.get_freeze_count() == 0
+    """Within, the garbage collector skips every object older than the entry (`gc.freeze`): the collection
+    before each traced step (`_Session.probe`), which must free the last step's cycles, then scans only what
+    tracing made, not the whole process (0.13 s a full collection with transformers imported, four or more a
+    profile). Unfrozen on exit. A nested entry, or a process that froze objects itself, finds objects frozen
+    already and leaves the freeze as it is."""
+    outer = gc.get_freeze_count() == 0
     if outer:
         gc.freeze()
-    _FROZEN[0] += 1
     try:
         yield
     finally:
-        _FROZEN[0] -= 1
         if outer:
             gc.unfreeze()
 
@@ -1632,7 +1629,7 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
                 v = predict_max_size(model, r["mom"], dim=dim, batch_size=batch_size, gpu=gpu, precision=precision,
                                      budget=budget, attention=attention, setup=setup, **size)
                 # what the deepest model keeps in host memory (swap's copies): nothing here bounds it
-                host = profile(model, r["mom"], precision=precision, kernels=get_gpu(gpu).kernels, attention=attention,
+                host = profile(model, r["mom"], precision=precision, kernels=_kernels_of(gpu), attention=attention,
                                setup=setup, **{**size, dim: v}).at(batch_size).host_bytes if v else 0
                 s2rows.append({"mom": r["mom"], dim: v, "host_bytes": host})
         base = next((r[dim] for r in s2rows if r["mom"] == "exact"), 0)
