@@ -677,12 +677,18 @@ class _Session:
                 self.w.scaler = _FiniteScaler(self.w.scaler)
             self.tracer = _Tracer(fake_mode, kernels)
             self.tracer.events = events
-            # as measure: weights on the books, one warm-up step creates the optimizer state
+            # as measure: weights on the books, then what a warm-up step leaves (the optimizer state). Where the
+            # allocation events are kept, the warm-up is a step, whose allocations the caching allocator's
+            # replay starts from; elsewhere `Workload.prime` makes the same state without running the model
+            # (a traced forward and backward cost as much as the step that follows)
             with _kernels(kernels, self.tracer), self.tracer:
                 self.tracer.track(self.w.state_tensors()["params"])
-                if events is not None and workspace:  # cuBLAS's workspace: allocated at the first matmul
-                    events.append(("cublas-workspace", workspace))
-                self.w.step()
+                if events is None:
+                    self.w.prime()
+                else:
+                    if workspace:  # cuBLAS's workspace: allocated at the first matmul
+                        events.append(("cublas-workspace", workspace))
+                    self.w.step()
         self.build_seconds = time.perf_counter() - t0
 
     def probe(self, batch_size: int) -> Probe:
@@ -766,8 +772,9 @@ class Profile:
 
     def at(self, batch_size: int, *, trace: bool = False) -> Probe:
         """The step at `batch_size`, read off the two traces (exact at them), or traced when `trace`, when
-        the traces do not align, or below them where smaller batches ran other ops (quantization leaves
-        tensors under 1024 values unpacked, so a tiny model's smallest batches save other tensors)."""
+        the traces do not align, or below them where smaller batches may run other ops: the search found them
+        so, or started above them (`_first_batch`; quantization leaves tensors under 1024 values unpacked, so a
+        tiny model's smallest batches save other tensors)."""
         check_batch_size(batch_size)
         for p in (self.lo, self.hi):
             if p.batch_size == batch_size:
@@ -880,11 +887,12 @@ def _profile(model, mom, precision, size, kernels, st, pair: tuple[int, int] | N
                     return prof
             session = None
             if probes is None:
+                start = _first_batch(mom)
                 session = _Session(model, mom, precision, size, kernels, attention=st.attention, setup=st.setup)
                 probes = [session.probe(b) for b in pair] if pair is not None else []
                 if not (probes and _aligned(*probes)):
-                    probes = [session.probe(TRACE_BATCHES[0])]
-                    for b in TRACE_BATCHES[1:]:
+                    probes = [session.probe(start)]
+                    for b in TRACE_BATCHES[TRACE_BATCHES.index(start) + 1:]:
                         probes.append(session.probe(b))
                         if _aligned(probes[-2], probes[-1]):
                             break
@@ -895,6 +903,14 @@ def _profile(model, mom, precision, size, kernels, st, pair: tuple[int, int] | N
                            disk[0] if session is None else None, session, st.attention, st.setup)
             _PROFILES[key] = prof
     return prof
+
+
+def _first_batch(mom) -> int:
+    """The batch a profile's search for two aligned traces starts at: TRACE_BATCHES[1] where the MOM quantizes.
+    At real size its traces at 2 and 4 seldom align: a tensor of 256K to 512K values a sample (BERT-L's MLP at
+    128 tokens) is packed in one pass at 2 and in folded chunks at 4 (`quant.CHUNK`), and the trace at 2 would
+    be spent. A smaller batch is then traced when asked for, as any batch below the aligned pair."""
+    return TRACE_BATCHES[1] if any(p.startswith("quant") for p in parse_mom(mom).parts) else TRACE_BATCHES[0]
 
 
 @contextmanager
@@ -1061,7 +1077,7 @@ def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
     if not first.aligned:
         return None
     # one block deeper, the same tensors are quantized in the same chunks: try the batches that aligned first
-    # (quant4's traces align only from 4 to 16, and three traces are saved)
+    # (quant4's traces align from 4 to 16 at real size: the search from `_first_batch` is saved)
     shallow = [first, _profile(model, mom, precision, {**size, "num_layers": base + 1}, kernels, st,
                                pair=(first.lo.batch_size, first.hi.batch_size))]
     if not shallow[1].aligned:

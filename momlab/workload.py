@@ -200,7 +200,21 @@ class Workload:
         with self._own_rng():
             return self._step(batch, on_forward_end, on_backward_end)
 
-    def _step(self, batch, on_forward_end, on_backward_end) -> float:
+    def prime(self) -> None:
+        """Leave what a first step leaves, without running the model: the gradient buckets, and the optimizer's
+        and the loss scaler's state, made by one update from all-zero gradients (then freed or zeroed as a step
+        leaves them). A trace's warm-up (`momlab.estimate`): the state is the same tensors, and a traced model's
+        forward and backward cost as much as the step that follows."""
+        with self._own_rng():
+            self._make_buckets()
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            for p in params:
+                p.grad = torch.zeros_like(p)
+            if self.scaler is not None:
+                self.scaler.scale(params[0].new_zeros((), dtype=torch.float32))
+            self._update()
+
+    def _make_buckets(self) -> None:
         if self.ddp_buckets and self.buckets is None:
             # DDP's reducer makes them when it wraps the model, before any step: here, so that the step's memory
             # accounting (measure's, a trace's) sees the allocation
@@ -209,6 +223,17 @@ class Workload:
                 if p.requires_grad:
                     sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
             self.buckets = [torch.empty(n, dtype=dt, device=self.device) for dt, n in sizes.items()]
+
+    def _update(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=self.grads_to_none)
+
+    def _step(self, batch, on_forward_end, on_backward_end) -> float:
+        self._make_buckets()
         inputs = self.batch() if batch is None else batch
         context = self.handle.context() if self.handle is not None else nullcontext()
         if self.half_model:  # images enter a half model in its precision, as fairseq's --fp16 casts its batch
@@ -225,12 +250,7 @@ class Workload:
             loss.backward()
         if on_backward_end is not None:
             on_backward_end()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=self.grads_to_none)
+        self._update()
         if self.device.type == "meta" or is_fake(loss):  # no data: a traced step (momlab.estimate)
             return float("nan")
         return loss.detach().float().item()
