@@ -346,6 +346,7 @@ _CONV = frozenset({aten.convolution, aten.convolution_backward, aten._convolutio
 _NO_TRAFFIC = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                          aten.new_empty.default, aten.new_empty_strided.default, aten.lift_fresh.default})
 _OP_IDS: dict = {}
+_EMPTY = frozenset({aten.empty.memory_format, aten.empty_strided.default})  # factories of no values
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -545,6 +546,11 @@ class _Tracer(StorageTracker):
         return out
 
     def _run(self, func, args, kwargs):
+        if func in _EMPTY:
+            # no tensor argument, so no fake tensor to carry the op: made with data, it would hold real memory
+            # (quantization's packed codes, copied again by swap: gigabytes in a trace at a large batch)
+            with self.fake_mode:
+                return func(*args, **kwargs)
         if torch.Tag.nondeterministic_seeded in func.tags and not any(
                 isinstance(t, torch.Tensor) for t in tree_flatten((args, kwargs))[0]):
             with self.fake_mode:  # first without data, to learn the dtype (randint's default is int64)

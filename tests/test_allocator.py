@@ -8,6 +8,7 @@ GPU's reserved peak is `make gpu-check`'s (phase 7); against the paper's V100 ma
 """
 
 import pytest
+import torch
 
 from momlab import allocator as A
 from momlab import catalog
@@ -71,8 +72,11 @@ def test_wholly_free_segments_are_released_before_failing():
     assert not A.replay(ev, 25 * MiB).fits
 
 
-def test_a_traced_process_replays_its_own_live_bytes():
-    ev = E.allocation_events("bert-base", "ckpt", batch_size=8, precision="fp16", **TINY_BERT)
+@pytest.mark.parametrize("mom", ["ckpt", "quant4+swap"])
+def test_a_traced_process_replays_its_own_live_bytes(mom):
+    # quant4+swap: the packed codes are made by torch.empty, no tensor argument; made with data, they held real
+    # memory (gigabytes at bert-large's largest batches) and their fake copies allocated twice in the events
+    ev = E.allocation_events("bert-base", mom, batch_size=8, precision="fp16", **TINY_BERT)
     live, cur, peak = {}, 0, 0
     for key, n in ev:
         if n == FREE:
@@ -82,7 +86,7 @@ def test_a_traced_process_replays_its_own_live_bytes():
             live[key] = n
             cur += n
             peak = max(peak, cur)
-    prof = E.profile("bert-base", "ckpt", precision="fp16", **TINY_BERT)
+    prof = E.profile("bert-base", mom, precision="fp16", **TINY_BERT)
     assert peak == prof.at(8, trace=True).peak_bytes  # the steady step's peak, as the profile traces it
     r = A.replay(ev, 1 << 40)
     assert r.peak_allocated >= peak and r.peak_reserved >= r.peak_allocated  # rounded up, then segments
@@ -107,3 +111,25 @@ def test_bad_allocator_settings_name_the_valid_ones():
         E.estimate("bert-base", batch_size=2, gpu="cpu", allocator="caching", **TINY_BERT)
     with pytest.raises(ValueError, match="steps"):
         E.allocation_events("bert-base", batch_size=2, steps=0, **TINY_BERT)
+
+
+def test_a_trace_holds_no_real_memory_for_quantized_tensors(monkeypatch):
+    """A trace's tensors are fake: quantization's packed codes too, made by torch.empty without a tensor argument.
+    Made with data, they held real memory (and swap copied them again): a trace of bert-large quant4+swap at
+    its predicted largest batch, 1990, ran out of this machine's 24 GiB."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    from momlab.moms import swap
+
+    packed = []
+    to_host = swap.Swapper._to_host
+
+    def record(self, x):
+        packed.append((x.dtype, is_fake(x)))
+        return to_host(self, x)
+
+    monkeypatch.setattr(swap.Swapper, "_to_host", record)
+    E.allocation_events("bert-base", "quant4+swap", batch_size=8, precision="fp16", **TINY_BERT)
+    codes = [fake for dtype, fake in packed if dtype == torch.uint8]
+    assert codes and all(codes)
+    assert all(fake for dtype, fake in packed if dtype.is_floating_point)
