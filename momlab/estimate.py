@@ -483,17 +483,12 @@ class _Tracer(StorageTracker):
         rec = _REPLAYS.get(key)
         if rec is not None:
             return self._replayed(rec)
-        scratch = self.log is None  # a step not logged (the warm-up): its calls are recorded all the same
-        if scratch:
-            self.start()
         log = self.log
+        if log is None:  # a step not logged (none runs: a trace's warm-up primes the workload, `Workload.prime`)
+            return fn(arg)
         n0, g0 = len(log["flops"]), len(log["group_bytes"])
         live0, pad0, host0, before = self.device_bytes, self.padding_bytes, self.host_bytes, set(self._live)
-        try:
-            out = fn(arg)
-        finally:
-            if scratch:
-                self.log = None
+        out = fn(arg)
         if len(log["flops"]) == n0:
             return out  # nothing ran (a tensor kept as it is)
         spec = _result_spec(out)
