@@ -45,7 +45,9 @@ new process: a notebook kernel, the CLI). A deep stack of identical blocks
 is traced 3 and 4 blocks deep and unrolled to its depth (`_depth_profile`),
 and a quantization pack or unpack already traced for a tensor of the same
 signature is replayed, not dispatched again (`_Tracer.replay`); both give the
-full trace to the byte, and a first bert-large estimate takes 1.2-2.9 s here.
+full trace to the byte. A trace's warm-up primes the workload rather than
+stepping it (`Workload.prime`): a first bert-large estimate takes 1.1-1.8 s
+here (default stack).
 
 Time comes from momlab.timemodel (a roofline per traced op, calibrated on
 measured records of the device); the traces here are its input.
