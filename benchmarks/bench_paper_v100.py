@@ -6,7 +6,9 @@ there) and the time model calibrated on the paper's *Exact* runs only
 against. Prints the calibration (its parameters and per-model residuals), the
 S1 ratio table with the error per row (rows whose paper MOM is another
 system marked), the sets of MOMs that beat Exact, and the depth at which
-Checkpoint overtakes Exact for BERT, predicted and the paper's.
+Checkpoint overtakes Exact for BERT, the paper's and predicted: over the batch
+sizes the paper ran at each depth (what it measured: its depth study stepped
+coarsely) and over every batch.
 
 Targets (issue 14): |ratio error| <= 0.15 on every comparable row; the same
 set of MOMs beating Exact per model; the crossing within 4 layers.
@@ -48,8 +50,16 @@ def main() -> int:
         print(f"  {r.model:16s} beat Exact: paper {r.paper_beat or '-'}, predicted {r.pred_beat or '-'}"
               f"{'' if r.same else '   <- differs'}")
     if "depth" in out:
-        print(f"\nBERT-large depth where Checkpoint overtakes Exact: predicted {out['pred_crossing']:.1f}, "
-              f"paper {out['paper_crossing']:.1f} layers")
+        print(f"\nBERT-large depth where Checkpoint overtakes Exact: paper {out['paper_crossing']:.1f} layers; "
+              f"predicted over the batches the paper ran at each depth {out['pred_crossing_paper_batches']:.1f}, "
+              f"over every batch {out['pred_crossing']:.1f}")
+        d = out["depth"]
+        print(f"  {'MOM':6s} {'layers':>6s}  {'paper: batch, tp':>17s}  {'pred (paper batches)':>20s}  "
+              f"{'pred (every batch)':>18s}")
+        for r in d[d["paper_throughput"].notna()].itertuples(index=False):
+            print(f"  {r.mom:6s} {r.num_layers:6d}  {r.paper_best_batch:6d} {r.paper_throughput:10.1f}  "
+                  f"{r.pred_best_paper_batch:6d} {r.pred_throughput_paper_batches:13.1f}  "
+                  f"{r.pred_best_batch:6d} {r.pred_throughput:11.1f}")
     print(f"\n({time.perf_counter() - t0:.0f} s; predicted numbers are predictions, the paper's are measured)")
     return 0
 

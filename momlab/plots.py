@@ -720,30 +720,43 @@ def predicted_vs_paper(curves: pd.DataFrame, *, title: str | None = "Predicted t
 
 
 def predicted_depth(depth: pd.DataFrame, *, pred_crossing: float = math.nan, paper_crossing: float = math.nan,
+                    pred_crossing_paper_batches: float = math.nan,
                     title: str | None = "S2': maximum throughput against depth, predicted and the paper's",
                     device: str = "V100 16 GB", unit: str = "seq/s") -> Figure:
     """Maximum throughput (best batch that fits) against number of layers per MOM: predicted lines,
     the paper's points, and a vertical line where each says the second MOM overtakes Exact
-    (``momlab.validation.depth_curves`` and ``crossing``)."""
+    (``momlab.validation.depth_curves`` and ``crossing``). Where `depth` has the prediction over the batch
+    sizes the paper ran (``pred_throughput_paper_batches``), it is drawn dashed, with its crossing."""
     fig, (ax,) = _grid(1, 1, panel=(6.4, 4.0))
+    like = "pred_throughput_paper_batches" in depth
     for mom in _moms_in_order(depth["mom"]):
         st = mom_style(mom)
         g = depth[depth["mom"] == mom].sort_values("num_layers")
         pred = g[g["pred_throughput"] > 0]
         ax.plot(pred["num_layers"], pred["pred_throughput"], color=st["color"], linestyle="-", linewidth=1.6)
+        if like:
+            same = g[g["pred_throughput_paper_batches"] > 0]
+            ax.plot(same["num_layers"], same["pred_throughput_paper_batches"], color=st["color"], linestyle="--",
+                    linewidth=1.2)
         seen = g[g["paper_throughput"].notna()]
         ax.plot(seen["num_layers"], seen["paper_throughput"], color=st["color"], marker=st["marker"],
                 linestyle="none", markersize=5)
-    for x, style, label in ((pred_crossing, "-", "predicted"), (paper_crossing, "--", "paper")):
+    marks = [(pred_crossing, "-", "predicted, every batch"), (paper_crossing, ":", "paper")]
+    if like:
+        marks.insert(1, (pred_crossing_paper_batches, "--", "predicted, paper's batches"))
+    top = ax.get_ylim()[1]
+    for k, (x, style, label) in enumerate(marks):
         if math.isfinite(x):
             ax.axvline(x, color="gray", linestyle=style, linewidth=1)
-            ax.text(x, ax.get_ylim()[1] * 0.95, f" {label}: {x:.0f}", fontsize=8, va="top")
+            ax.text(x, top * 0.95 / 1.6 ** k, f" {label}: {x:.0f}", fontsize=7, va="top")
     ax.set_xlabel("number of layers")
     ax.set_ylabel(f"max throughput ({unit})")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)
     extra = [Line2D([], [], color="gray", linestyle="none", marker="o", label="paper (measured)"),
-             Line2D([], [], color="gray", linestyle="-", label="momlab (predicted)")]
+             Line2D([], [], color="gray", linestyle="-", label="predicted, best of every batch")]
+    if like:
+        extra.append(Line2D([], [], color="gray", linestyle="--", label="predicted, best of the paper's batches"))
     _mom_legend(fig, _moms_in_order(depth["mom"]), oom=False, extra=extra)
     _title(fig, title, device)
     return fig

@@ -175,17 +175,33 @@ def depth_curves(depths=None, *, model: str = "bert-large", gpu: str = GPU, resu
     time and the peak at each batch are read off traces at two depths
     (`traced`) and interpolated / extrapolated in depth, rather than traced
     at every depth (a bert-large trace is seconds; the paper's study has 16
-    depths). Columns: mom, num_layers, pred_max_batch, pred_best_batch,
-    pred_throughput, paper_throughput (NaN where the paper has no point).
+    depths).
+
+    Two predictions per depth. ``pred_throughput`` is the best over every
+    batch that fits (what a user searching finely would get).
+    ``pred_throughput_paper_batches`` is the best over the batch sizes the
+    paper tried at that depth (`momlab.reference.paper_scaling_runs`), which
+    is the quantity the paper measured: its depth study stepped coarsely
+    (exact at 38 layers tried 12 and 20 only), so its maximum throughput is
+    the best of those that fit. NaN where the paper has no run at that depth.
+
+    Columns: mom, num_layers, pred_max_batch, pred_best_batch,
+    pred_throughput, pred_best_paper_batch, pred_throughput_paper_batches,
+    paper_best_batch, paper_throughput (NaN where the paper has no point).
     """
     paper = reference.paper_scaling("num_layers", model)
+    tried = reference.paper_scaling_runs("num_layers", model)
     depths = sorted(set(paper["num_layers"])) if depths is None else list(depths)
     prec = reference.PRECISION[model]
     from momlab.gpus import get as get_gpu
 
     g = get_gpu(gpu)
     cap = g.memory_bytes - cuda_overheads(g, SETUP).context_bytes
-    grid = np.unique(np.round(np.geomspace(1, max_batch, 96)).astype(int))
+    # every batch up to 512 (the paper's deeper models fit a few dozen), log-spaced above, and the paper's own
+    grid = np.unique(np.concatenate([np.arange(1, min(512, max_batch) + 1),
+                                     np.round(np.geomspace(1, max_batch, 96)).astype(int),
+                                     tried["batch_size"].astype(int).to_numpy()]))
+    grid = grid[grid <= max_batch]
     d1, d2 = traced
     rows = []
     for mom in DEPTH_MOMS:
@@ -204,11 +220,18 @@ def depth_curves(depths=None, *, model: str = "bert-large", gpu: str = GPU, resu
             tp = np.where(fits, grid / t, 0.0)
             i = int(np.argmax(tp))
             fit_batches = grid[fits]
-            got = paper[(paper["mom"] == mom) & (paper["num_layers"] == d)]["max_throughput"]
+            ran = tried[(tried["mom"] == mom) & (tried["size.num_layers"] == d)]["batch_size"].astype(int)
+            on = np.isin(grid, ran.to_numpy())
+            tp_paper = np.where(fits & on, tp, 0.0)
+            j = int(np.argmax(tp_paper))
+            got = paper[(paper["mom"] == mom) & (paper["num_layers"] == d)]
             rows.append({"mom": mom, "num_layers": d,
                          "pred_max_batch": int(fit_batches.max()) if len(fit_batches) else 0,
                          "pred_best_batch": int(grid[i]) if tp[i] > 0 else 0, "pred_throughput": float(tp[i]),
-                         "paper_throughput": float(got.iloc[0]) if len(got) else math.nan})
+                         "pred_best_paper_batch": int(grid[j]) if tp_paper[j] > 0 else 0,
+                         "pred_throughput_paper_batches": float(tp_paper[j]) if on.any() else math.nan,
+                         "paper_best_batch": int(got["best_batch_size"].iloc[0]) if len(got) else 0,
+                         "paper_throughput": float(got["max_throughput"].iloc[0]) if len(got) else math.nan})
     return pd.DataFrame(rows)
 
 
@@ -233,6 +256,7 @@ def summary(models=None, *, gpu: str = GPU, results=None, depth: bool = True) ->
     if depth:
         d = depth_curves(gpu=gpu, results=results)
         out.update(depth=d, pred_crossing=crossing(d, "pred_throughput"),
+                   pred_crossing_paper_batches=crossing(d, "pred_throughput_paper_batches"),
                    paper_crossing=crossing(d, "paper_throughput"))
     return out
 

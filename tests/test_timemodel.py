@@ -278,6 +278,45 @@ def test_crossing_is_where_the_difference_changes_sign():
     assert math.isnan(crossing(d.assign(t=[1.0, 1.0, 1.0, 0.5, 0.5, 0.5]), "t"))
 
 
+def test_depth_curves_predict_the_paper_s_maximum_over_the_batches_it_ran(monkeypatch):
+    """The paper's depth study stepped coarsely (exact at 38 layers ran 12 and 20 only), so its maximum
+    throughput at a depth is the best of the batches it ran that fit; the like-for-like prediction picks from
+    those batches, the fine one from every batch. Traces are stubbed with an affine model in batch and depth
+    (throughput rising with the batch, so each best is the largest batch that fits)."""
+    from momlab import reference, validation
+
+    g = get(validation.GPU)
+    cap = g.memory_bytes - validation.cuda_overheads(g, validation.SETUP).context_bytes
+
+    def fake_profile(model, mom, *, num_layers, **kw):  # affine in depth; the largest batch that fits: 1601 // depth
+        per_sample = cap * num_layers / 1601
+        return SimpleNamespace(peak_bytes=lambda b: np.asarray(b, dtype=float) * per_sample)
+
+    def fake_curve(model, mom, *, batch_sizes, num_layers, **kw):
+        return [SimpleNamespace(step_time_s=0.1 * num_layers + 0.01 * b) for b in batch_sizes]
+
+    monkeypatch.setattr(validation, "profile", fake_profile)
+    monkeypatch.setattr(validation, "throughput_curve", fake_curve)
+    d = validation.depth_curves(depths=[30, 38, 42, 64, 70])
+    ran = reference.paper_scaling_runs("num_layers")
+    for r in d.itertuples():
+        fits = 1601 // r.num_layers
+        assert r.pred_max_batch == fits
+        tried = set(ran.loc[(ran["mom"] == r.mom) & (ran["size.num_layers"] == r.num_layers), "batch_size"])
+        if not tried:  # no run at that depth (the study stepped by 4 from 2): no like-for-like prediction
+            assert math.isnan(r.pred_throughput_paper_batches)
+            continue
+        best = max((b for b in tried if b <= fits), default=0)
+        assert r.pred_best_paper_batch == best
+        want = best / (0.1 * r.num_layers + 0.01 * best) if best else 0.0
+        assert r.pred_throughput_paper_batches == pytest.approx(want)
+        assert r.pred_throughput_paper_batches <= r.pred_throughput
+    exact38 = d[(d["mom"] == "exact") & (d["num_layers"] == 38)].iloc[0]
+    assert exact38.pred_max_batch == 42 and exact38.pred_best_paper_batch == 36  # it ran 12, 20, 36, 68, ...
+    assert d[d["num_layers"] == 64]["pred_throughput_paper_batches"].isna().all()
+    assert d[d["num_layers"] == 70]["pred_throughput_paper_batches"].notna().all()
+
+
 def test_predicted_vs_paper_draws_points_and_lines():
     import pandas as pd
 

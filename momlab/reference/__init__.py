@@ -222,14 +222,11 @@ def _dim(dim: str) -> str:
     return d
 
 
-def paper_scaling(dim: str, model: str = "bert-large") -> pd.DataFrame:
-    """S2': per MOM and model size, the maximum throughput over all batches.
-
-    ``dim`` is ``num_layers`` (depth) or ``hidden_size`` / ``width_per_group``
-    (width). Columns: model, mom, ``<dim>``, max_throughput, best_batch_size,
-    max_batch_size. One V100, the model's paper precision. For BERT-L depth the
-    curves cross at 34 layers, where checkpointing overtakes exact.
-    """
+def paper_scaling_runs(dim: str, model: str = "bert-large") -> pd.DataFrame:
+    """S2': every run of the paper's scaling study along ``dim``, those that failed included: the batch
+    sizes it tried at each model size (one V100, the model's paper precision). Its maximum throughput at a
+    size is the best of these, so a prediction of it is made over the same batches
+    (`momlab.validation.depth_curves`). Columns as `paper_runs`, ``size.<dim>`` set on every row."""
     d = _dim(dim)
     df = _table()
     sel = (df["model"] == model) & (df["experiment"] == _DIMS[d]) & (df["gpus"] == 1)
@@ -239,6 +236,19 @@ def paper_scaling(dim: str, model: str = "bert-large") -> pd.DataFrame:
         have = df.loc[df["experiment"].isin(["depth", "width"]), ["model", "experiment"]]
         raise ValueError(f"no {_DIMS[d]} study for {model!r} along {d}; "
                          f"available: {sorted(set(map(tuple, have.values)))}")
+    return runs
+
+
+def paper_scaling(dim: str, model: str = "bert-large") -> pd.DataFrame:
+    """S2': per MOM and model size, the maximum throughput over all batches.
+
+    ``dim`` is ``num_layers`` (depth) or ``hidden_size`` / ``width_per_group``
+    (width). Columns: model, mom, ``<dim>``, max_throughput, best_batch_size,
+    max_batch_size. One V100, the model's paper precision. For BERT-L depth the
+    curves cross at 34 layers, where checkpointing overtakes exact.
+    """
+    d = _dim(dim)
+    runs = paper_scaling_runs(dim, model)
     rows = []
     for (mom, size), g in runs.groupby(["mom", f"size.{d}"]):
         ok = g[g["fits"] & g["throughput"].notna()]
@@ -314,5 +324,5 @@ def paper_memory_per_sample(model: str = "bert-large") -> pd.DataFrame:
     return _order(pd.DataFrame(rows))
 
 
-__all__ = ["paper_runs", "paper_s1", "paper_gpu_count", "paper_scaling", "paper_largest",
+__all__ = ["paper_runs", "paper_s1", "paper_gpu_count", "paper_scaling", "paper_scaling_runs", "paper_largest",
            "paper_memory_per_sample", "MODELS", "PRECISION", "UNITS", "GPU"]
