@@ -283,6 +283,8 @@ def memory_breakdown(df: pd.DataFrame, *, title: str | None = "Memory breakdown"
     if budget_bytes:
         ax.axhline(budget_bytes / scale, color="black", linestyle="--", linewidth=1,
                    label=f"budget {format_bytes(budget_bytes)}")
+    # a zero-height segment on top of the tallest bar is a sticky edge that pins the axis to its top
+    ax.set_ylim(0, 1.05 * top / scale)
     ax.set_xticks(x, labels, rotation=0 if len(df) <= 6 else 60,
                   ha="center" if len(df) <= 6 else "right", fontsize=9)
     ax.set_ylabel(f"memory ({unit})")
@@ -835,7 +837,9 @@ def predicted_throughput(df: pd.DataFrame, *, title: str | None = None) -> Figur
     ax = fig.subplots()
     width = 0.8 / len(gpus_)
     palette = sns.color_palette("colorblind", len(gpus_))
-    top = float(df[col].max() or 1.0)
+    trains = df["trains"].astype(bool)
+    top = float(df.loc[trains, col].max()) if trains.any() else 0.0
+    top = top if top > 0 else 1.0  # nothing trains: an axis from 0 to 1 holding only the "no fit" marks
     for j, g in enumerate(gpus_):
         sub = df[df["gpu"] == g].set_index("mom")
         xs = np.arange(len(moms)) + (j - (len(gpus_) - 1) / 2) * width
@@ -844,7 +848,9 @@ def predicted_throughput(df: pd.DataFrame, *, title: str | None = None) -> Figur
         for x, m, h in zip(xs, moms, heights):
             if m in sub.index and not bool(sub["trains"][m]):
                 ax.text(x, top * 0.02, "no fit", rotation=90, ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(np.arange(len(moms)), [mom_style(m)["label"] for m in moms], fontsize=9)
+    ax.set_ylim(0, 1.05 * top)
+    ax.set_xticks(np.arange(len(moms)), [mom_style(m)["label"] for m in moms], fontsize=9,
+                  rotation=0 if len(moms) <= 4 else 25, ha="center" if len(moms) <= 4 else "right")
     ax.set_ylabel(f"predicted throughput ({unit})")
     ax.grid(axis="y", alpha=0.3)
     ax.set_axisbelow(True)

@@ -349,10 +349,12 @@ def to_frame(records: list[dict]):
     return pd.DataFrame(rows)
 
 
-def load(path, *, missing_ok: bool = False, run: str | None = None):
+def load(path, *, missing_ok: bool = False, run: str | None = None, env: dict | None = None):
     """The store at `path` (or several paths) as a DataFrame; see `to_frame`.
     A store not written yet raises FileNotFoundError, or reads as empty with `missing_ok`.
-    `run` keeps only the records a sweep of that name measured (`sweep(name=...)`).
+    `run` keeps only the records a sweep of that name measured (`sweep(name=...)`); `env` only those measured
+    with its fingerprint (`environment(device)`: this machine's, as a resumed sweep reuses them), so a store
+    that also holds another machine's runs of the same configurations yields one set.
 
     >>> df = load("results/s1_cpu.jsonl")  # doctest: +SKIP
     >>> df[["model", "mom", "batch_size", "size.num_layers", "fits", "throughput"]]  # doctest: +SKIP
@@ -365,4 +367,7 @@ def load(path, *, missing_ok: bool = False, run: str | None = None):
                 continue
             raise FileNotFoundError(f"no results store at {p}")
         records.extend(r for r in read_records(p) if run is None or (r.get("run") or {}).get("name") == run)
+    if env is not None:
+        fp = fingerprint(env)
+        records = [r for r in records if r.get("fingerprint") == fp]
     return to_frame(records)

@@ -141,6 +141,9 @@ def test_memory_breakdown_stacks_three_categories():
     assert "emulated budget (CPU)" in fig.get_suptitle()
     small = plots.memory_breakdown(df.iloc[[1]])
     assert small.axes[0].get_ylabel() == "memory (MiB)"
+    # the tallest bar's top segment is empty (no workspace): the axis still leaves room above the bar
+    assert small.axes[0].get_ylim()[1] > 14 * 1.02
+    assert ax.get_ylim()[1] > 2.0  # the budget line, not the bars, sets the top
 
 
 def test_memory_breakdown_uses_model_bytes_of_the_paper_table():
@@ -300,3 +303,19 @@ def test_largest_model_refuses_several_rows_per_mom():
         plots.largest_model(table)
     fig = plots.largest_model(table, batch_size=16)
     assert [b.get_height() for b in fig.axes[0].patches] == [4]
+
+
+def test_predicted_throughput_marks_what_does_not_fit_on_an_axis_from_zero():
+    df = pd.DataFrame({"mom": ["exact", "ckpt", "swap+ckpt"] * 2, "gpu": ["H100-80"] * 3 + ["H200"] * 3,
+                       "trains": [False, True, True, True, True, True],
+                       "tokens_per_s": [float("nan"), 900.0, 300.0, 1500.0, 1000.0, 350.0]})
+    df["throughput"] = df["tokens_per_s"] / 4096  # as `whatif.train_at_all` gives them, at 4k tokens
+    ax = plots.predicted_throughput(df).axes[0]
+    heights = [[bar.get_height() for bar in c] for c in ax.containers]
+    assert heights == [[0.0, 900.0, 300.0], [1500.0, 1000.0, 350.0]]
+    assert [t.get_text() for t in ax.texts] == ["no fit"]
+    assert ax.get_ylim() == pytest.approx((0.0, 1.05 * 1500.0))
+    assert ax.get_ylabel() == "predicted throughput (tokens/s)"
+    nothing = plots.predicted_throughput(df.assign(trains=False, tokens_per_s=0.0, throughput=0.0)).axes[0]
+    assert [t.get_text() for t in nothing.texts] == ["no fit"] * 6
+    assert nothing.get_ylim() == pytest.approx((0.0, 1.05))  # not an axis around zero

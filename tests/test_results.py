@@ -141,6 +141,25 @@ def test_load_flattens_size(tmp_path):
     assert "peak_bytes" in results.to_frame([]).columns
 
 
+def test_load_keeps_one_machine_s_runs_of_a_store_two_machines_wrote(tmp_path):
+    """A committed store measured on one CPU, resumed on another, holds both machines' runs of the same points
+    (their fingerprints differ, so the resumed sweep measured again); a summary over both has two rows per
+    (model, MOM). `env` keeps the runs of the machine it describes."""
+    from momlab import metrics
+
+    store = tmp_path / "r.jsonl"
+    other = {**ENV, "cpu": "other-cpu", "device_name": "other-cpu", "host": "h2"}
+    for env in (ENV, other):
+        for b in (2, 4, 7):
+            results.append(store, {**record(b, env=env), "run": {"name": "s1"}})
+    assert len(load(store, run="s1")) == 6
+    assert len(metrics.s1_summary(load(store, run="s1"))) == 2  # the same configuration, once per machine
+    mine = load(store, run="s1", env=other)
+    assert len(mine) == 3 and set(mine["env.host"]) == {"h2"}
+    assert len(metrics.s1_summary(mine)) == 1
+    assert load(store, env={**ENV, "torch": "2.11.0"}).empty
+
+
 def _append_many(path, writer, n, pad):
     store = Store(path)
     for i in range(n):
