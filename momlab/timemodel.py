@@ -374,8 +374,11 @@ def _records_of(gpu_name: str, files: list[str]) -> list[dict]:
     """The Exact records of the device in `files` that fitted and were timed (one per configuration)."""
     from momlab.results import read_records
 
+    from momlab.catalog import models
+
     gpu = get_gpu(gpu_name)
     device = "cpu" if gpu_name == "cpu" else "cuda"
+    catalog = set(models())
     out, seen = [], set()
     for path in files:
         for rec in read_records(path):
@@ -386,6 +389,8 @@ def _records_of(gpu_name: str, files: list[str]) -> list[dict]:
                 continue
             if rec.get("mom") != "exact":  # a MOM's time is what the model predicts, never what it is fitted to
                 continue
+            if rec.get("model") not in catalog:  # a user's module or a transformers config, stored by its name:
+                continue                          # nothing to trace it again from
             t = rec.get("step_time_s")
             if not rec.get("fits") or t is None or not math.isfinite(t) or t <= 0:
                 continue

@@ -266,6 +266,24 @@ def test_calibration_never_uses_mom_records(tmp_path):
     assert not cal.calibrated and math.isnan(cal.error)
 
 
+def test_calibration_skips_records_of_models_it_cannot_trace_again(tmp_path):
+    """A store also holds a user's module's runs (notebook 08: momlab.UserModel, stored by its name); a
+    calibration re-traces each record's model by name, so it fits the catalog models' records and leaves those."""
+    from momlab import catalog
+    from momlab.estimate import calibrate
+
+    size = catalog.resolve_size("bert-base", catalog.tiny("bert-base"))
+    env = {"device": "cuda", "device_name": "NVIDIA A100-SXM4-40GB"}
+    recs = [{"model": "bert-base", "mom": "exact", "batch_size": b, "precision": "fp32", "size": size,
+             "fits": True, "step_time_s": t, "throughput": b / t, "flops": 1, "env": env}
+            for b, t in ((4, 0.004), (16, 0.009))]
+    recs.append({**recs[0], "model": "token-mlp", "size": {}})
+    (tmp_path / "a100.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cal = calibrate("A100-40", results=tmp_path)
+    assert cal.calibrated and len(cal.fitted_on) == 2
+    assert all(label.startswith("bert-base") for label in cal.fitted_on)
+
+
 def test_crossing_is_where_the_difference_changes_sign():
     import pandas as pd
 
