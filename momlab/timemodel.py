@@ -372,9 +372,8 @@ def _result_files(results) -> list[str]:
 
 def _records_of(gpu_name: str, files: list[str]) -> list[dict]:
     """The Exact records of the device in `files` that fitted and were timed (one per configuration)."""
-    from momlab.results import read_records
-
     from momlab.catalog import models
+    from momlab.results import read_records
 
     gpu = get_gpu(gpu_name)
     device = "cpu" if gpu_name == "cpu" else "cuda"
