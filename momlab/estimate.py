@@ -894,8 +894,17 @@ def _profile(model, mom, precision, size, kernels, st, pair: tuple[int, int] | N
                 session = _Session(model, mom, precision, size, kernels, attention=st.attention, setup=st.setup)
                 probes = [session.probe(b) for b in pair] if pair is not None else []
                 if not (probes and _aligned(*probes)):
-                    probes = [session.probe(start)]
-                    for b in TRACE_BATCHES[TRACE_BATCHES.index(start) + 1:]:
+                    sizes = _quant.TRACE_SIZES = []
+                    try:
+                        probes = [session.probe(start)]
+                    finally:
+                        _quant.TRACE_SIZES = None
+                    rest = TRACE_BATCHES[TRACE_BATCHES.index(start) + 1:]
+                    jump = _folds_alike(sizes, start, rest)
+                    if jump is not None:  # skip batches whose traces cannot align with the next one's
+                        probes.append(session.probe(jump))
+                        rest = rest[rest.index(jump) + 1:]
+                    for b in rest:
                         probes.append(session.probe(b))
                         if _aligned(probes[-2], probes[-1]):
                             break
@@ -906,6 +915,23 @@ def _profile(model, mom, precision, size, kernels, st, pair: tuple[int, int] | N
                            disk[0] if session is None else None, session, st.attention, st.setup)
             _PROFILES[key] = prof
     return prof
+
+
+def _folds_alike(sizes: list, batch: int, later) -> int | None:
+    """The first of `later` (doubling batch sizes) whose trace and the next one's quantize alike, or None to try
+    them in order: `sizes` are the value counts quantized in a trace at `batch`, taken to grow with the batch;
+    two traces align only where no tensor's chunk loop folds in one and not the other (`quant.CHUNK`; at real
+    size BERT-L's 131K-, 262K- and 524K-value tensors a sample cross it at 4, 8 and 16, and the traces at 4
+    and 8 would be spent). Constant tensors taken to grow only make the answer later, never wrong: the traces'
+    alignment is still checked."""
+    later = list(later)
+
+    def alike(b: int) -> bool:
+        return all((n * b / batch > _quant.CHUNK) == (n * 2 * b / batch > _quant.CHUNK) for n in set(sizes))
+
+    if not sizes or alike(batch):
+        return None
+    return next((b for b in later[:-1] if alike(b)), None)
 
 
 def _first_batch(mom) -> int:

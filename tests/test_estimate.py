@@ -302,6 +302,52 @@ def test_below_its_aligned_batches_an_unrolled_stack_is_unrolled_too(monkeypatch
         assert _same_step(step, full.at(b)), b
 
 
+def test_the_first_trace_s_quantized_sizes_pick_the_batches_that_can_align():
+    """Two traces of a quantizing MOM align only where no tensor's chunk loop folds in one and not the other
+    (more than `quant.CHUNK` values): BERT-L at 128 tokens saves 131K-, 262K- and 524K-value tensors a sample,
+    which cross it between 4 and 8 and between 8 and 16, so from a trace at 4 the search goes on at 16."""
+    from momlab.estimate import _folds_alike
+    from momlab.moms import quant
+
+    later = TRACE_BATCHES[2:]  # after 4
+    per_sample = [131072, 262144, 524288]
+    assert _folds_alike([n * 4 for n in per_sample], 4, later) == 16
+    assert _folds_alike([n * 4 for n in per_sample[::2]], 4, later) is None  # 4 and 8 align: nothing to skip
+    assert _folds_alike([], 4, later) is None  # nothing quantized
+    assert _folds_alike([quant.CHUNK], 4, later) == 8  # exactly one chunk at 4: folded from 8 on
+    assert _folds_alike([3], 4, later) is None  # never folds: every pair aligns
+
+
+def test_a_quantizing_search_skips_traces_that_cannot_align_and_keeps_the_step(monkeypatch):
+    """The search for two aligned traces skips the batches the first trace's sizes rule out (one trace fewer
+    here) and ends at the pair, and the steps, the plain doubling search finds."""
+    import momlab.estimate as E
+
+    # hidden states of 1024 values a sample and attention probabilities of 512 then cross it between 4 and 8 and
+    # between 8 and 16
+    monkeypatch.setattr("momlab.moms.quant.CHUNK", 4096)
+    size = {**catalog.tiny("bert-base"), "seq_len": 16}
+    probed = []
+    probe = E._Session.probe
+    monkeypatch.setattr(E._Session, "probe", lambda self, b: probed.append(b) or probe(self, b))
+
+    def search(skip: bool):
+        probed.clear()
+        clear_cache()
+        with monkeypatch.context() as m:
+            if not skip:
+                m.setattr(E, "_folds_alike", lambda sizes, batch, later: None)
+            p = profile("bert-base", "quant4", setup="paper", precision="fp16", **size)
+        return p, list(probed)
+
+    skipping, skipped = search(True)
+    plain, every = search(False)
+    assert every == [4, 8, 16, 32] and skipped == [4, 16, 32]  # the trace at 8 could not align with 16
+    assert skipping.aligned and (skipping.lo.batch_size, skipping.hi.batch_size) == (16, 32)
+    assert _same_step(skipping.lo, plain.lo) and _same_step(skipping.hi, plain.hi)
+    assert _same_step(skipping.at(8), plain.at(8))  # a batch below the pair: traced when asked, the same
+
+
 @pytest.mark.parametrize("mom,setup,precision", [("quant4", "default", "fp32"), ("quant4+swap", "paper", "fp16"),
                                                  ("quant4+ckpt", "default", "bf16")])
 def test_replayed_quantization_is_the_traced_step(mom, setup, precision, monkeypatch):

@@ -162,6 +162,11 @@ def _kernel(fn):
 # call's ops depend on. None: run fn(arg).
 TRACE_CALL = None
 
+# ... and this, to a list, while a trace's first batch runs: the value count of each tensor `pack` quantizes (a
+# chunk loop that folds, see `FOLD`), from which the tracer picks two batch sizes whose traces align (no tensor
+# crosses `CHUNK` between them). None: nothing recorded.
+TRACE_SIZES = None
+
 
 def _pad(chunk: torch.Tensor, pad: int, folded: bool) -> torch.Tensor:
     """`chunk` padded to whole groups with its last value. A real step pads at most one chunk of a tensor
@@ -274,6 +279,10 @@ class Quantizer:
         self._programs: dict[str, tuple] = {}
 
     def pack(self, x: torch.Tensor):
+        sizes = TRACE_SIZES
+        if sizes is not None and x.is_floating_point() and x.numel() >= self.min_numel and not (
+                x.dim() > 1 and x.shape[-1] == 1):
+            sizes.append(x.numel())
         hook = TRACE_CALL
         if hook is None:
             return self._pack(x)
