@@ -921,9 +921,9 @@ def _folds_alike(sizes: list, batch: int, later) -> int | None:
     """The first of `later` (doubling batch sizes) whose trace and the next one's quantize alike, or None to try
     them in order: `sizes` are the value counts quantized in a trace at `batch`, taken to grow with the batch;
     two traces align only where no tensor's chunk loop folds in one and not the other (`quant.CHUNK`; at real
-    size BERT-L's 131K-, 262K- and 524K-value tensors a sample cross it at 4, 8 and 16, and the traces at 4
-    and 8 would be spent). Constant tensors taken to grow only make the answer later, never wrong: the traces'
-    alignment is still checked."""
+    size BERT-L's 262K- and 131K-value tensors a sample cross it between 4 and 8 and between 8 and 16, so from a
+    trace at 4 the search goes on at 16). Constant tensors taken to grow only make the answer later, never wrong:
+    the traces' alignment is still checked."""
     later = list(later)
 
     def alike(b: int) -> bool:
