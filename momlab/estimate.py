@@ -924,14 +924,14 @@ def _folds_alike(sizes: list, batch: int, later) -> int | None:
     size BERT-L's 262K- and 131K-value tensors a sample cross it between 4 and 8 and between 8 and 16, so from a
     trace at 4 the search goes on at 16). Constant tensors taken to grow only make the answer later, never wrong:
     the traces' alignment is still checked."""
-    later = list(later)
+    counts = set(sizes)
 
     def alike(b: int) -> bool:
-        return all((n * b / batch > _quant.CHUNK) == (n * 2 * b / batch > _quant.CHUNK) for n in set(sizes))
+        return all((n * b / batch > _quant.CHUNK) == (n * 2 * b / batch > _quant.CHUNK) for n in counts)
 
-    if not sizes or alike(batch):
+    if not counts or alike(batch):
         return None
-    return next((b for b in later[:-1] if alike(b)), None)
+    return next((b for b in list(later)[:-1] if alike(b)), None)
 
 
 def _first_batch(mom) -> int:

@@ -280,8 +280,7 @@ class Quantizer:
 
     def pack(self, x: torch.Tensor):
         sizes = TRACE_SIZES
-        if sizes is not None and x.is_floating_point() and x.numel() >= self.min_numel and not (
-                x.dim() > 1 and x.shape[-1] == 1):
+        if sizes is not None and x.is_floating_point() and not self._kept_exact(x):
             sizes.append(x.numel())
         hook = TRACE_CALL
         if hook is None:
@@ -298,8 +297,12 @@ class Quantizer:
                tuple(h.data.shape), h.data.dtype, None if h.meta is None else (tuple(h.meta.shape), h.meta.dtype))
         return hook(self._unpack, key, h)
 
+    def _kept_exact(self, x: torch.Tensor) -> bool:
+        """Too small to pack, or per-row statistics (a last dimension of 1): kept as they are."""
+        return x.numel() < self.min_numel or (x.dim() > 1 and x.shape[-1] == 1)
+
     def _pack(self, x: torch.Tensor):
-        if x.numel() < self.min_numel or (x.dim() > 1 and x.shape[-1] == 1):
+        if self._kept_exact(x):
             # kept exact; but a small view (BERT's pooler saves hidden[:, 0])
             # would pin its whole storage: a compact copy lets that go
             if x.untyped_storage().nbytes() > 2 * x.numel() * x.element_size():
