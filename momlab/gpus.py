@@ -62,6 +62,12 @@ PINNED = {3: 12.0 * GB_S, 4: 25.0 * GB_S, 5: 50.0 * GB_S}
 # a step is launch-bound when its kernels are shorter than that.
 LAUNCH_S = 6e-6
 
+# Every kernel also occupies the GPU for a few microseconds beyond its arithmetic and memory traffic (its
+# start and drain): null kernels launched back to back take about 3 us each on recent hardware and drivers
+# (NVIDIA developer forums, "Too much time for kernel launch latency", 2022). The default of an uncalibrated
+# device; a calibration fits it (momlab.timemodel, "kernel").
+KERNEL_S = 3e-6
+
 # Efficiency of an uncalibrated device: the fraction of the per-op roofline
 # eager training reaches. 0.6 is the middle of what large matmuls (70-90% of
 # peak) and elementwise kernels (60-85% of bandwidth) reach on datacenter GPUs.
@@ -95,6 +101,7 @@ class Gpu:
     patterns: tuple = ()
     pinned_bandwidth: float = 0.0
     launch_s: float = LAUNCH_S
+    kernel_s: float = KERNEL_S  # device seconds each kernel takes beyond its roofline time (`KERNEL_S`)
     source: str = ""
     notes: str = ""
 
@@ -248,6 +255,7 @@ def cpu() -> Gpu:
     return Gpu("cpu", _memory_total(), dict(peaks.flops), peaks.memory_bandwidth, "none (host memory)",
                peaks.memory_bandwidth, kernels="cpu", pinned_bandwidth=peaks.memory_bandwidth, patterns=(re.escape(name),),
                launch_s=0.0,  # fitted per machine (momlab.estimate.calibrate)
+               kernel_s=0.0,  # one thing at a time: an op's cost is its time plus its launch
                source=f"measured on this machine ({name}, {peaks.threads} threads)",
                notes="memory is the machine's RAM; a budget stands in for a GPU's capacity")
 

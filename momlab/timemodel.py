@@ -4,9 +4,11 @@ Time is a roofline per operation (Paleo, Qi et al. 2017, with the graph
 traced rather than described by hand). On a GPU each op's kernel takes
 
     max(flops / (peak FLOP/s of its format * compute efficiency of the format),
-        bytes read and written / (memory bandwidth * memory efficiency))
+        bytes read and written / (memory bandwidth * memory efficiency)) + kernel overhead
 
-and the host spends a launch cost issuing it. Eager PyTorch issues kernels
+(the overhead: the device time of starting and draining any kernel, a few
+microseconds however small its work), and the host spends a launch cost
+issuing it. Eager PyTorch issues kernels
 asynchronously from one host thread: the GPU runs a kernel once it is issued
 and the one before it has ended (`queue_ends`), so the host's time hides
 behind long kernels and short kernels wait for the host. A step of small ops
@@ -17,7 +19,7 @@ before the optimizer (`SYNC_PRECISIONS`), whose ops then start on an empty
 queue. A measured time covers the step, or what its script timed (`WINDOWS`).
 
 The free parameters (compute efficiency of fp32 matmuls, of fp32 convolutions, of
-half-precision tensor cores; memory efficiency; launch cost) are fitted per
+half-precision tensor cores; memory efficiency; launch cost; kernel overhead) are fitted per
 device from *Exact* runs only (`calibrate`): momlab's own records of the
 device, and for the paper's V100 its Exact throughput curves
 (momlab/reference). MOM runs never enter a fit: their cost is what the model
@@ -72,13 +74,16 @@ _LOCK = threading.RLock()  # the calibration cache; a calibration traces, the tr
 
 
 # the free parameters of a GPU: compute efficiency of fp32 matmuls (plain CUDA cores), fp32 convolutions,
-# half-precision (bf16/fp16) tensor cores; memory efficiency; seconds of host time per op
-PARAMS = ("fp32", "conv32", "half", "memory", "launch")
+# half-precision (bf16/fp16) tensor cores; memory efficiency; seconds of host time per op; seconds of device time
+# every kernel takes beyond its roofline time (its start and drain on the GPU)
+PARAMS = ("fp32", "conv32", "half", "memory", "launch", "kernel")
 # the compute efficiency applying to each number format of the trace (estimate's FMT_* order)
 _FMT_PARAM = ("fp32", "conv32", "half", "half")
 # a parameter is fitted only where the records spend at least this share of their time in what it governs;
 # otherwise the records say nothing about it and it keeps its default
 _MIN_SHARE = 0.02
+# the seconds-valued parameters' physical range: host time per op, device time per kernel beyond its roofline
+_BOUNDS = {"launch": (1e-7, 1e-3), "kernel": (1e-8, 2e-5)}
 # fewer Exact records than this: one common scale of every cost is fitted (5 free parameters need more)
 _MIN_FULL_FIT = 6
 
@@ -136,7 +141,8 @@ def _kernels(p, gpu: Gpu, cal: "Calibration", tf32: bool = False) -> tuple[np.nd
     """Device seconds of each op's kernel (a fused kernel's time on its first op, its other ops 0), host
     seconds to issue each op (a fused kernel is one launch), and the fused kernels' total."""
     compute, memory = _roofline(p, gpu, tf32)
-    k = np.maximum(compute / _compute_eff(cal)[p.fmt.astype(np.int64)], memory / cal.memory_efficiency)
+    overhead = cal.kernel_s if gpu.kernels == "cuda" else 0.0  # a CPU op's fixed cost is its launch
+    k = np.maximum(compute / _compute_eff(cal)[p.fmt.astype(np.int64)], memory / cal.memory_efficiency) + overhead
     h = np.full(len(k), cal.launch_s)
     fused = 0.0
     group = getattr(p, "group", None)
@@ -144,7 +150,7 @@ def _kernels(p, gpu: Gpu, cal: "Calibration", tf32: bool = False) -> tuple[np.nd
         inside = group >= 0
         ids, first = np.unique(group[inside], return_index=True)
         first = np.flatnonzero(inside)[first]
-        kernel = p.group_bytes[ids] / (gpu.memory_bandwidth * cal.memory_efficiency)
+        kernel = p.group_bytes[ids] / (gpu.memory_bandwidth * cal.memory_efficiency) + overhead
         k = np.where(inside, 0.0, k)
         h = np.where(inside, 0.0, h)
         k[first] = kernel
@@ -304,7 +310,8 @@ class Calibration:
 
     ``compute_efficiency`` (per `PARAMS` format: fp32, conv32, half) and
     ``memory_efficiency``: the fraction of the datasheet peak reached;
-    ``launch_s``: host seconds per op. ``efficiency``: the compute efficiency
+    ``launch_s``: host seconds per op; ``kernel_s``: device seconds every
+    kernel takes beyond its roofline time. ``efficiency``: the compute efficiency
     of the format the records spent most time in (a one-number summary).
     ``calibrated``: fitted from Exact measurements of this device
     (``source`` says which files, ``fitted_on`` which configurations,
@@ -325,15 +332,17 @@ class Calibration:
     fitted: tuple = ()
     fitted_on: tuple = ()
     residuals: tuple = ()
+    kernel_s: float = 0.0
 
     def params(self) -> dict:
-        return {**self.compute_efficiency, "memory": self.memory_efficiency, "launch": self.launch_s}
+        return {**self.compute_efficiency, "memory": self.memory_efficiency, "launch": self.launch_s,
+                "kernel": self.kernel_s}
 
     def describe(self) -> str:
         """Where the step times come from, in one line (what-if shows it under its figure)."""
         if not self.calibrated:
             return self.source
-        fitted = ", ".join(f"{k} {self.params()[k]:.3g}" if k != "launch" else f"launch {self.launch_s * 1e6:.1f} us"
+        fitted = ", ".join(f"{k} {self.params()[k] * 1e6:.1f} us" if k in _BOUNDS else f"{k} {self.params()[k]:.3g}"
                            for k in self.fitted if k in self.params())
         return (f"calibrated on {self.source}; fitted {fitted or ', '.join(self.fitted)}; "
                 f"median fit error {self.error:.0%}")
@@ -345,13 +354,14 @@ def default_calibration(g: Gpu, source: str | None = None) -> Calibration:
                        source or f"uncalibrated: no measured Exact records of this device (default efficiency "
                                  f"{DEFAULT_EFFICIENCY})",
                        compute_efficiency={k: DEFAULT_EFFICIENCY for k in PARAMS[:3]},
-                       memory_efficiency=DEFAULT_EFFICIENCY)
+                       memory_efficiency=DEFAULT_EFFICIENCY, kernel_s=g.kernel_s)
 
 
 def _with_params(g: Gpu, params: dict, **kw) -> Calibration:
     comp = {k: float(params[k]) for k in PARAMS[:3]}
     return Calibration(g.name, kw.pop("efficiency", comp["fp32"]), float(params["launch"]), True,
-                       compute_efficiency=comp, memory_efficiency=float(params["memory"]), **kw)
+                       compute_efficiency=comp, memory_efficiency=float(params["memory"]),
+                       kernel_s=float(params.get("kernel", 0.0)), **kw)
 
 
 _CALIBRATIONS: dict[tuple, Calibration] = {}
@@ -490,7 +500,7 @@ class _Points:
     def predict(self, params: dict, scale: float = 1.0) -> np.ndarray:
         """Each record's step: the sum of `queue_ends` over its queues, every queue of every record at once."""
         eff = np.array([params[k] for k in _FMT_PARAM])
-        k = np.maximum(self.compute / eff[self.fmt], self.memory / params["memory"])
+        k = np.maximum(self.compute / eff[self.fmt], self.memory / params["memory"]) + params["kernel"]
         ends = queue_ends(k, np.full(len(k), params["launch"]), self.starts)
         return scale * np.add.reduceat(ends[self.ends], self.record_starts)
 
@@ -498,7 +508,7 @@ class _Points:
         """The share of the records' predicted kernel and issue time each parameter governs."""
         eff = np.array([params[k] for k in _FMT_PARAM])
         c, m = self.compute / eff[self.fmt], self.memory / params["memory"]
-        k = np.maximum(c, m)
+        k = np.maximum(c, m) + params["kernel"]
         host = params["launch"] * len(k)
         total = k.sum() + host
         out = {name: 0.0 for name in PARAMS}
@@ -506,6 +516,7 @@ class _Points:
             out[name] += float(k[(c >= m) & (self.fmt == f)].sum() / total)
         out["memory"] = float(k[c < m].sum() / total)
         out["launch"] = float(host / total)
+        out["kernel"] = float(params["kernel"] * len(k) / total)
         return out
 
 
@@ -563,18 +574,18 @@ def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "", syncs=None, w
     shares = pts.shares(base)
     # the host's time per op is always free (every step launches its ops), a format's efficiency only
     # where the records spend time in its compute-bound ops (else nothing determines it)
-    free = [k for k in PARAMS if k in ("memory", "launch") or shares[k] >= _MIN_SHARE] \
+    free = [k for k in PARAMS if k in ("memory", "launch", "kernel") or shares[k] >= _MIN_SHARE] \
         if len(probes) >= _MIN_FULL_FIT else []
     log_meas = np.log(pts.measured)
 
     def unpack(x):
         params = dict(base)
         for k, v in zip(free, x):
-            params[k] = float(np.clip(np.exp(v), 1e-7, 1e-3)) if k == "launch" else float(min(1.0, np.exp(v)))
+            params[k] = float(np.clip(np.exp(v), *_BOUNDS[k])) if k in _BOUNDS else float(min(1.0, np.exp(v)))
         return params
 
-    lo = np.array([np.log(1e-7) if k == "launch" else -np.inf for k in free])
-    hi = np.array([np.log(1e-3) if k == "launch" else 0.0 for k in free])
+    lo = np.array([np.log(_BOUNDS[k][0]) if k in _BOUNDS else -np.inf for k in free])
+    hi = np.array([np.log(_BOUNDS[k][1]) if k in _BOUNDS else 0.0 for k in free])
 
     def loss(x):
         # past a bound the clipped parameter no longer moves the fit: the penalty leads the simplex back, where
@@ -590,7 +601,7 @@ def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "", syncs=None, w
         fitted = tuple(free)
     else:  # one scale s of every cost: s * pred0 = measured in the (weighted) geometric mean
         s = float(np.exp(np.sum(weight * (log_meas - np.log(pts.predict(base))))))
-        params = {k: (v * s if k == "launch" else min(1.0, v / s)) for k, v in base.items()}
+        params = {k: (v * s if k in _BOUNDS else min(1.0, v / s)) for k, v in base.items()}
         fitted = ("scale",)
     pred = pts.predict(params)
     res = (pred - pts.measured) / pts.measured

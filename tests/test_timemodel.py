@@ -24,7 +24,7 @@ from momlab.timemodel import (
 
 V100 = get("V100-16")
 FP32, CONV32, FP16 = 0, 1, 3
-TRUTH = {"fp32": 0.6, "conv32": 0.72, "half": 0.45, "memory": 0.81, "launch": 1.7e-5}
+TRUTH = {"fp32": 0.6, "conv32": 0.72, "half": 0.45, "memory": 0.81, "launch": 1.7e-5, "kernel": 4e-6}
 
 
 def _step(flops, nbytes, fmt, *, host=0, forward=0, backward=0, group=None, group_bytes=None):
@@ -39,7 +39,7 @@ def _step(flops, nbytes, fmt, *, host=0, forward=0, backward=0, group=None, grou
 def _cal(params: dict) -> Calibration:
     comp = {k: params[k] for k in ("fp32", "conv32", "half")}
     return Calibration("V100-16", comp["half"], params["launch"], True, "test", compute_efficiency=comp,
-                       memory_efficiency=params["memory"])
+                       memory_efficiency=params["memory"], kernel_s=params.get("kernel", 0.0))
 
 
 def _model_step(rng, batch: int, kind: str):
@@ -63,8 +63,8 @@ def test_calibration_recovers_known_parameters():
     measured = [step_time(p, V100, truth).step_time_s for p in probes]
     cal = fit_gpu(V100, probes, measured, [f"r{i}" for i in range(len(probes))], "synthetic")
     assert cal.calibrated and cal.records == len(probes) == len(cal.residuals) == len(cal.fitted_on)
-    assert set(cal.fitted) == {"conv32", "half", "memory", "launch"}  # fp32 compute: no fp32 matmuls here
-    for k in ("conv32", "half", "memory", "launch"):
+    assert set(cal.fitted) == {"conv32", "half", "memory", "launch", "kernel"}  # no fp32 matmuls here
+    for k in ("conv32", "half", "memory", "launch", "kernel"):
         assert cal.params()[k] == pytest.approx(TRUTH[k], rel=0.02), k
     assert cal.error < 0.005
 
@@ -118,7 +118,7 @@ def test_each_curve_weighs_the_same_in_the_fit():
 def test_loss_scaling_waits_for_the_gpu_before_the_optimizer():
     """fp16's overflow check reads a flag on the host: the optimizer's issue can no longer hide behind the
     backward kernels still queued; a forward-backward window leaves the optimizer out of the step."""
-    cal = _cal({**TRUTH, "launch": 1e-3})
+    cal = _cal({**TRUTH, "launch": 1e-3, "kernel": 0.0})
     ms = V100.memory_bandwidth * TRUTH["memory"] * 1e-3
     # 10 forward/backward kernels of 5 ms, then 10 optimizer kernels of 10 us (1 ms each to issue)
     p = _step([0.0] * 20, [ms * 5] * 10 + [ms * 0.01] * 10, [FP32] * 20, forward=4, backward=10)
@@ -137,7 +137,7 @@ def test_a_cpu_step_times_the_same_window():
     """On a CPU (one op at a time, each paying its launch) the paper BERT's forward-backward window leaves the
     optimizer's ops and their launches out too, and the step says which window it covers."""
     cpu = get("cpu")
-    cal = _cal({**TRUTH, "launch": 1e-3})
+    cal = _cal({**TRUTH, "launch": 1e-3, "kernel": 0.0})
     ms = cpu.memory_bandwidth * TRUTH["memory"] * 1e-3
     # 10 forward/backward ops of 5 ms, then 10 optimizer ops of 2 ms
     p = _step([0.0] * 20, [ms * 5] * 10 + [ms * 2] * 10, [FP32] * 20, forward=4, backward=10)
@@ -172,7 +172,7 @@ def test_one_record_fits_one_scale():
 
 def test_swap_copies_overlap_their_own_phase_only():
     """Forward copies hide behind forward compute, prefetches behind backward's; never across phases."""
-    cal = _cal({**TRUTH, "launch": 0.0})
+    cal = _cal({**TRUTH, "launch": 0.0, "kernel": 0.0})
     bw = V100.memory_bandwidth * TRUTH["memory"]
     # 4 forward ops of 1 ms each, 8 backward ops of 1 ms, 2 optimizer ops of 1 ms (memory-bound)
     ms = bw * 1e-3
@@ -199,7 +199,7 @@ def test_the_papers_swap_copies_on_the_compute_stream():
     copies back of quantize+swap, prefetched beside backward."""
     from momlab.estimate import swap_schedule
 
-    cal = _cal({**TRUTH, "launch": 0.0})
+    cal = _cal({**TRUTH, "launch": 0.0, "kernel": 0.0})
     ms = V100.memory_bandwidth * TRUTH["memory"] * 1e-3
     copy = V100.pinned_bandwidth * 1e-3
     p = _step([0.0] * 14, [ms] * 14, [FP32] * 14, host=2 * copy, forward=4, backward=12)  # 2 ms each way
@@ -226,22 +226,38 @@ def test_swap_copies_run_at_the_pinned_rate_of_the_link():
 
 
 def test_a_fused_kernel_is_one_kernel():
-    """Quantization's encode: its traced CPU ops (here 3 of 1 ms) cost one kernel moving its in and out."""
+    """Quantization's encode: its traced CPU ops (here 3 of 1 ms) cost one kernel moving its in and out,
+    and pay one kernel's overhead."""
     cal = _cal(TRUTH)
     bw = V100.memory_bandwidth * TRUTH["memory"]
     ms = bw * 1e-3
     plain = _step([0.0] * 4, [ms] * 4, [FP32] * 4)
     fused = _step([0.0] * 4, [ms] * 4, [FP32] * 4, group=[-1, 0, 0, 0], group_bytes=[ms / 2])
-    launch = TRUTH["launch"]  # the GPU starts once the host has issued the first kernel
-    assert step_time(plain, V100, cal).step_time_s == pytest.approx(launch + 4e-3)
+    launch, kernel = TRUTH["launch"], TRUTH["kernel"]  # the GPU starts once the host has issued the first kernel
+    assert step_time(plain, V100, cal).step_time_s == pytest.approx(launch + 4e-3 + 4 * kernel)
     t = step_time(fused, V100, cal)
-    assert t.step_time_s == pytest.approx(launch + 1e-3 + 0.5e-3) and t.fused_s == pytest.approx(0.5e-3)
+    assert t.step_time_s == pytest.approx(launch + 1e-3 + 0.5e-3 + 2 * kernel)
+    assert t.fused_s == pytest.approx(0.5e-3 + kernel)
+
+
+def test_every_kernel_pays_its_overhead_on_the_device_only():
+    """A kernel occupies the GPU for its roofline time plus the overhead of starting and draining it: a
+    queue of tiny kernels the host runs ahead of takes their count times the overhead; a CPU op pays its
+    launch and no device overhead."""
+    cal = _cal({**TRUTH, "launch": 1e-6, "kernel": 5e-6})
+    ms = V100.memory_bandwidth * TRUTH["memory"] * 1e-3
+    tiny = _step([0.0] * 100, [ms * 1e-3] * 100, [FP32] * 100)  # 1 us of traffic each, issued every 1 us
+    assert step_time(tiny, V100, cal).step_time_s == pytest.approx(1e-6 + 100 * (1e-6 + 5e-6))
+    cpu = get("cpu")
+    op = cpu.memory_bandwidth * TRUTH["memory"] * 1e-3
+    on_cpu = _step([0.0] * 100, [op * 1e-3] * 100, [FP32] * 100)
+    assert step_time(on_cpu, cpu, cal).step_time_s == pytest.approx(100 * (1e-6 + 1e-6))
 
 
 def test_the_host_runs_ahead_of_the_gpu():
     """Eager PyTorch issues kernels asynchronously: the host's time per op hides behind long kernels and
     short kernels wait for the host, so a step is not the sum of per-op maxima of kernel and launch."""
-    cal = _cal({**TRUTH, "launch": 1e-3})
+    cal = _cal({**TRUTH, "launch": 1e-3, "kernel": 0.0})
     ms = V100.memory_bandwidth * TRUTH["memory"] * 1e-3
     tiny = _step([0.0] * 10, [ms * 0.01] * 10, [FP32] * 10)  # 10 us kernels, 1 ms to issue each
     assert step_time(tiny, V100, cal).step_time_s == pytest.approx(10e-3 + 10e-6)
