@@ -810,12 +810,13 @@ def prediction_scatter(table: pd.DataFrame, *, title: str | None = "Predicted vs
 
 
 def save(fig: Figure, path_without_ext: str | Path) -> list[Path]:
-    """Write ``<path>.png`` (150 dpi) and ``<path>.pdf``; return both paths."""
+    """Write ``<path>.png`` (150 dpi) and ``<path>.pdf``; return both paths. The PDF carries no creation date,
+    so a rerun that draws the same figure writes the same bytes."""
     base = Path(path_without_ext)
     base.parent.mkdir(parents=True, exist_ok=True)
     paths = [base.with_name(base.name + ".png"), base.with_name(base.name + ".pdf")]
     fig.savefig(paths[0], dpi=150)
-    fig.savefig(paths[1])
+    fig.savefig(paths[1], metadata={"CreationDate": None})
     return paths
 
 

@@ -118,6 +118,7 @@ class StepTime:
     launch_s: float  # op count times the per-op launch cost
     transfer_s: float  # swap traffic over the host link
     ops: int
+    overhead_s: float = 0.0  # kernel count times each kernel's device overhead (GPU only; in the kernels' times)
     forward_s: float = 0.0
     backward_s: float = 0.0
     optimizer_s: float = 0.0
@@ -280,6 +281,11 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
     n = len(per_op)
     parts = dict(ideal_s=ideal, compute_bound_s=float(per_op[compute >= memory].sum()),
                  memory_bound_s=float(per_op[compute < memory].sum()), launch_s=n * cal.launch_s, ops=n)
+    if gpu.kernels == "cuda":  # a fused quantization kernel's ops are one kernel
+        group = getattr(p, "group", None)
+        grouped = group is not None and len(group) and (group >= 0).any()
+        kernels = int((group < 0).sum()) + len(np.unique(group[group >= 0])) if grouped else n
+        parts["overhead_s"] = kernels * cal.kernel_s
     fwd_n, bwd_n = getattr(p, "forward_ops", 0), getattr(p, "backward_ops", 0)
     if not 0 < fwd_n <= bwd_n <= n:  # phases unknown (a trace from before they were recorded): one phase
         fwd_n = bwd_n = n
@@ -352,7 +358,7 @@ def default_calibration(g: Gpu, source: str | None = None) -> Calibration:
     """The uncalibrated parameters of `g`: `DEFAULT_EFFICIENCY` everywhere, the catalog's launch cost."""
     return Calibration(g.name, DEFAULT_EFFICIENCY, g.launch_s, False,
                        source or f"uncalibrated: no measured Exact records of this device (default efficiency "
-                                 f"{DEFAULT_EFFICIENCY})",
+                                 f"{DEFAULT_EFFICIENCY}, {g.kernel_s * 1e6:g} us a kernel)",
                        compute_efficiency={k: DEFAULT_EFFICIENCY for k in PARAMS[:3]},
                        memory_efficiency=DEFAULT_EFFICIENCY, kernel_s=g.kernel_s)
 

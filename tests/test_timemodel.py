@@ -237,7 +237,7 @@ def test_a_fused_kernel_is_one_kernel():
     assert step_time(plain, V100, cal).step_time_s == pytest.approx(launch + 4e-3 + 4 * kernel)
     t = step_time(fused, V100, cal)
     assert t.step_time_s == pytest.approx(launch + 1e-3 + 0.5e-3 + 2 * kernel)
-    assert t.fused_s == pytest.approx(0.5e-3 + kernel)
+    assert t.fused_s == pytest.approx(0.5e-3 + kernel) and t.overhead_s == pytest.approx(2 * kernel)
 
 
 def test_every_kernel_pays_its_overhead_on_the_device_only():
@@ -247,11 +247,13 @@ def test_every_kernel_pays_its_overhead_on_the_device_only():
     cal = _cal({**TRUTH, "launch": 1e-6, "kernel": 5e-6})
     ms = V100.memory_bandwidth * TRUTH["memory"] * 1e-3
     tiny = _step([0.0] * 100, [ms * 1e-3] * 100, [FP32] * 100)  # 1 us of traffic each, issued every 1 us
-    assert step_time(tiny, V100, cal).step_time_s == pytest.approx(1e-6 + 100 * (1e-6 + 5e-6))
+    t = step_time(tiny, V100, cal)
+    assert t.step_time_s == pytest.approx(1e-6 + 100 * (1e-6 + 5e-6)) and t.overhead_s == pytest.approx(100 * 5e-6)
     cpu = get("cpu")
     op = cpu.memory_bandwidth * TRUTH["memory"] * 1e-3
     on_cpu = _step([0.0] * 100, [op * 1e-3] * 100, [FP32] * 100)
-    assert step_time(on_cpu, cpu, cal).step_time_s == pytest.approx(100 * (1e-6 + 1e-6))
+    t = step_time(on_cpu, cpu, cal)
+    assert t.step_time_s == pytest.approx(100 * (1e-6 + 1e-6)) and t.overhead_s == 0.0
 
 
 def test_the_host_runs_ahead_of_the_gpu():
