@@ -85,6 +85,7 @@ class StorageTracker(TorchDispatchMode):
         self._live: dict[int, list] = {}  # key -> [nbytes, is_host, weakref]
         self.device_bytes = 0
         self.host_bytes = 0
+        self.host_copied = 0  # host bytes ever allocated (swap's copies out), never decreased
         self.peak_bytes = 0
         self.peak_host_bytes = 0
         self.enforce = True
@@ -142,6 +143,7 @@ class StorageTracker(TorchDispatchMode):
     def _add(self, nbytes: int, host: bool, check: bool) -> None:
         if host:
             self.host_bytes += nbytes
+            self.host_copied += nbytes
             self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
             if check and self.enforce and self.host_budget is not None and self.host_bytes > self.host_budget:
                 raise HostOutOfMemory(

@@ -639,6 +639,9 @@ class Probe:
     group_bytes: np.ndarray | None = None  # per fused kernel, the bytes it reads and writes
     padding: np.ndarray | None = None  # allocator round-up bytes beside `live` (not in it), at the start and per op
     forward_grads: int = 0  # gradients resident at the end of forward (zeroed in place, not freed)
+    # host bytes swapped out during backward (a reentrant checkpoint's recomputation under hooks that stay on
+    # through backward, `Stack.hooks`), each brought back before backward ends
+    backward_host: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -701,11 +704,13 @@ class _Session:
 
         def forward_end():
             state["live"], state["host"] = tracer.device_bytes, tracer.host_bytes
+            state["copied"] = tracer.host_copied
             state["fwd_ops"] = len(tracer.log["flops"])  # the time model overlaps swap copies per phase
             state["fwd_grads"] = unique_storage_bytes(w.state_tensors()["grads"])
 
         def backward_end():
             state["grads"] = unique_storage_bytes(w.state_tensors()["grads"])
+            state["bwd_host"] = tracer.host_copied - state["copied"]
             state["bwd_ops"] = len(tracer.log["flops"])
 
         with _LOCK:
@@ -726,7 +731,7 @@ class _Session:
             np.asarray(log["bytes"], dtype=np.float64), np.asarray(log["fmt"], dtype=np.int8),
             np.asarray(log["op"], dtype=np.int32), time.perf_counter() - t0, state["fwd_ops"], state["bwd_ops"],
             np.asarray(log["group"], dtype=np.int32), np.asarray(log["group_bytes"], dtype=np.float64),
-            np.asarray(log["pad"], dtype=np.int64), state["fwd_grads"])
+            np.asarray(log["pad"], dtype=np.int64), state["fwd_grads"], state["bwd_host"])
 
 
 # -- profiles: two traces, any batch ------------------------------------------------------
@@ -800,7 +805,8 @@ class Profile:
             group_bytes=None if lo.group_bytes is None else np.maximum(0.0, lerp(lo.group_bytes, hi.group_bytes)),
             padding=None if lo.padding is None else np.rint(lerp(lo.padding.astype(np.float64),
                                                                  hi.padding.astype(np.float64))).astype(np.int64),
-            forward_grads=lo.forward_grads)
+            forward_grads=lo.forward_grads,
+            backward_host=int(round(lerp(lo.backward_host, hi.backward_host))))
 
     def _unrolled(self, batch_size: int) -> Probe | None:
         """For a profile unrolled from shallow copies (`depths`), the step at `batch_size` unrolled from theirs
@@ -1087,7 +1093,7 @@ def _unroll(a: Probe, b: Probe, m: int) -> Probe:
         np.maximum(0.0, vals[:, 2]), np.maximum(0.0, vals[:, 3]), np.maximum(0.0, vals[:, 4]),
         (keys // 4 % 4).astype(np.int8), (keys // 16).astype(np.int32), a.seconds + b.seconds, ends[1], ends[2],
         group, np.maximum(0.0, vals[start, 5]), np.rint(np.r_[pad0, vals[:, 1]]).astype(np.int64),
-        line(a.forward_grads, b.forward_grads))
+        line(a.forward_grads, b.forward_grads), line(a.backward_host, b.backward_host))
 
 
 def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
@@ -1135,9 +1141,9 @@ def clear_cache() -> None:
 
 # where traced profiles are kept between processes (a notebook kernel, the command line); None: nowhere
 TRACE_CACHE: Path | None = ROOT / "build" / "cache" / "traces"
-_DISK_FORMAT = 2
+_DISK_FORMAT = 3
 _SCALARS = ("batch_size", "params_bytes", "optimizer_bytes", "grads_bytes", "forward_live", "forward_host",
-            "seconds", "forward_ops", "backward_ops", "forward_grads")
+            "seconds", "forward_ops", "backward_ops", "forward_grads", "backward_host")
 _ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops", "group", "group_bytes", "padding")
 
 

@@ -235,20 +235,28 @@ WINDOWS = ("step", "forward-backward")
 
 
 def swap_phases(forward_s: float, backward_s: float, copy_s: float,
-                schedule: str = "overlap") -> tuple[float, float]:
+                schedule: str = "overlap", backward_copy_s: float = 0.0) -> tuple[float, float]:
     """Forward and backward phase times with swap's copies of `copy_s` seconds per direction, under a
-    `SWAP_SCHEDULES` schedule.
+    `SWAP_SCHEDULES` schedule; `backward_copy_s`: seconds per direction of tensors swapped out *and back*
+    within backward (a reentrant checkpoint's recomputation under hooks that stay on, `Probe.backward_host`),
+    issued where the forward's copies out are and brought back as the forward's are.
 
     >>> swap_phases(1.0, 2.0, 1.5, "serial-forward")
     (2.5, 2.0)
     >>> swap_phases(1.0, 2.0, 1.5, "serial")
     (2.5, 3.5)
+    >>> swap_phases(1.0, 2.0, 1.5, "serial", backward_copy_s=0.5)
+    (2.5, 4.5)
     """
     check_choice("swap schedule", schedule, SWAP_SCHEDULES)
-    if schedule == "overlap":
-        return swap_overlap(forward_s, backward_s, copy_s)
-    backward = backward_s + copy_s if schedule == "serial" else max(backward_s, copy_s)
-    return forward_s + copy_s, backward
+    extra = backward_copy_s
+    if schedule == "overlap":  # side streams: every copy of backward beside its compute
+        forward, backward = swap_overlap(forward_s, backward_s, copy_s + 2 * extra)
+        return max(forward_s, copy_s), backward
+    if schedule == "serial":  # both directions on the compute stream
+        return forward_s + copy_s, backward_s + copy_s + 2 * extra
+    # serial-forward: copies out on the compute stream, copies back prefetched beside it
+    return forward_s + copy_s, max(backward_s + extra, copy_s + extra)
 
 
 def swap_overlap(forward_s: float, backward_s: float, copy_s: float) -> tuple[float, float]:
@@ -298,13 +306,14 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
         return StepTime(total, **parts, transfer_s=0.0, forward_s=fwd, backward_s=bwd, optimizer_s=opt,
                         window=window)
     copy = p.host_bytes / gpu.pinned_bandwidth
+    again = getattr(p, "backward_host", 0) / gpu.pinned_bandwidth
     if fwd_n == bwd_n == n:
-        f, b = (max(fwd, 2 * copy) if swap == "overlap" else fwd + 2 * copy), 0.0
+        f, b = (max(fwd, 2 * (copy + again)) if swap == "overlap" else fwd + 2 * (copy + again)), 0.0
     else:
-        f, b = swap_phases(fwd, bwd, copy, swap)
+        f, b = swap_phases(fwd, bwd, copy, swap, again)
     timed = opt if window == "step" else 0.0
     total = f + b + timed
-    return StepTime(total, **parts, transfer_s=2 * copy, forward_s=fwd, backward_s=bwd, optimizer_s=opt,
+    return StepTime(total, **parts, transfer_s=2 * (copy + again), forward_s=fwd, backward_s=bwd, optimizer_s=opt,
                     fused_s=fused, exposed_transfer_s=total - (fwd + bwd + timed), window=window)
 
 

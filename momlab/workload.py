@@ -27,6 +27,9 @@ runs a half model with a flat fp32 master copy in its optimizer
 (`momlab.master`, `Stack.mixed`), its attention dropout is off (fairseq's GPT-3
 architectures default it to 0.0) and its MLP activation is fairseq's exact GELU,
 computed in fp32 (where transformers' GPT-2 uses the tanh approximation);
+checkpointing is torch 1.x's reentrant checkpoint for BERT, Swin and GPT (`Stack.checkpoint`) and a MOM's
+saved-tensor hooks stay on through backward, as GACT's controller installed them once for the whole run
+(`Stack.hooks`), so quant4+ckpt quantizes what the recomputation saves and swap+ckpt swaps it;
 and gradients are zeroed in place rather than freed, as
 ``zero_grad()`` did before torch 2.0, so they stay allocated through the next
 forward; Swin's training script wraps the model in DistributedDataParallel even
@@ -56,7 +59,7 @@ from momlab.device import autocast, check_device
 from momlab.master import Fp32Gelu, LossScaler, MasterWeights
 from momlab.usermodel import resolve
 from momlab.errors import check_choice
-from momlab.moms import apply, parse_mom
+from momlab.moms import apply_stack, parse_mom
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -77,6 +80,9 @@ _ATTENTION_FAMILIES = ("bert", "gpt", "swin", "vit", "llama", "qwen2", "mixtral"
 # the paper's optimizer per family (its code: HF run_glue AdamW, Swin's AdamW, fairseq Adam, torchvision SGD)
 _PAPER_OPTIMIZER = {"bert": "adamw", "swin": "adamw", "vit": "adamw", "gpt": "adam", "resnet": "sgd"}
 ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
+# the paper's code that checkpointed with torch 1.x's reentrant checkpoint (transformers 4.x's BERT, Microsoft's
+# Swin, fairseq's GPT); its ResNet "ckpt" was DTR, another system
+_PAPER_REENTRANT = ("bert", "swin", "gpt")
 # the paper's scripts that timed less than a step (GACT-ICML benchmark/text_classification/run_glue.py)
 _PAPER_TIMED = {"bert": "forward-backward"}
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
@@ -116,13 +122,20 @@ class Stack:
     mixed: str = "autocast"
     # the attention probabilities' dropout; None: the model config's (fairseq's GPT-3 architectures: 0.0)
     attention_dropout: float | None = None
+    # how "ckpt" checkpoints a block (`momlab.moms.ckpt`): "non-reentrant" (torch >= 2.0's, torchtitan's) or
+    # "reentrant" (torch < 2.0's default: transformers 4.x's gradient checkpointing, Microsoft's Swin, fairseq)
+    checkpoint: str = "non-reentrant"
+    # while a MOM's saved-tensor hooks are active: "forward" (momlab's: the model's forward and the loss) or "step"
+    # (GACT's controller pushes them once for the whole run, so backward's reentrant recomputation is
+    # quantized or swapped too)
+    hooks: str = "forward"
 
 
 def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
     """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
 
     >>> stack("bert-large", "paper")
-    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None)
+    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None, checkpoint='reentrant', hooks='step')
     >>> stack("gpt3-small", "paper").mixed
     'half-model'
     >>> stack("gpt3-small", attention="eager").optimizer
@@ -145,7 +158,9 @@ def stack(model: str, setup: str = "default", attention: str | None = None) -> S
     return Stack(setup, attention, optimizer, "gelu-fp32" if fairseq else None, not paper,
                  paper and family == "swin", foreach=not paper or family == "gpt",
                  timed=_PAPER_TIMED.get(family, "step") if paper else "step",
-                 mixed="half-model" if fairseq else "autocast", attention_dropout=0.0 if fairseq else None)
+                 mixed="half-model" if fairseq else "autocast", attention_dropout=0.0 if fairseq else None,
+                 checkpoint="reentrant" if paper and family in _PAPER_REENTRANT else "non-reentrant",
+                 hooks="step" if paper else "forward")
 
 
 @dataclass
@@ -174,6 +189,7 @@ class Workload:
     ddp_buckets: bool = False  # keep DistributedDataParallel's gradient buckets (`Stack.ddp_buckets`)
     buckets: list | None = None  # those buffers, one per gradient dtype, made before the first forward
     half_model: bool = False  # the model itself is fp16/bf16 (`Stack.mixed` "half-model"): no autocast
+    hooks: str = "forward"  # the MOM's saved-tensor hooks cover the forward, or the whole "step" (`Stack.hooks`)
 
     @contextmanager
     def _own_rng(self):
@@ -244,10 +260,12 @@ class Workload:
         del inputs, batch
         if on_forward_end is not None:
             on_forward_end()
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-        else:
-            loss.backward()
+        # GACT's hooks stay on through backward, where a reentrant checkpoint's recomputation passes them
+        with self.handle.context() if self.hooks == "step" and self.handle is not None else nullcontext():
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
         if on_backward_end is not None:
             on_backward_end()
         self._update()
@@ -328,7 +346,8 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
                 f"{mom} checkpoints repeated blocks and none were found in {model.name} (no nn.ModuleList or "
                 f"nn.Sequential of same-class layers): name them, momlab.UserModel(module, ..., blocks='layers') "
                 f"(an attribute path or a function of the module returning its blocks)")
-        handle = apply(net, mom, blocks=blocks)
+        handle = apply_stack(net, mom, blocks=blocks,
+                             reentrant=st.checkpoint == "reentrant" and mom.checkpointing != "ckpt-selective")
     foreach = FOREACH and st.foreach
     if st.optimizer == "adamw":
         cls, kw = torch.optim.AdamW, ADAMW
@@ -346,12 +365,13 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     options = {
         "optimizer": st.optimizer, "foreach": foreach, "setup": st.setup, "activation": st.activation,
         "grads_to_none": st.grads_to_none, "ddp_buckets": st.ddp_buckets,
+        "checkpoint": st.checkpoint, "hooks": st.hooks,
         "mixed": "fp32" if precision == "fp32" else ("half-model" if half else "autocast"),
         "attn_implementation": getattr(getattr(net, "config", None), "_attn_implementation", None),
     }
     # steps continue the global stream from where the model's initialization left it (see _own_rng)
     return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen,
-                    _rng_state(dev), st.grads_to_none, st.ddp_buckets, half_model=half)
+                    _rng_state(dev), st.grads_to_none, st.ddp_buckets, half_model=half, hooks=st.hooks)
 
 
 @contextmanager

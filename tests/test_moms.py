@@ -238,6 +238,74 @@ def test_bert_trains_identically_with_ckpt_selective_and_swap():
                                               "swap+ckpt-selective"])
 
 
+def _train_hooked_through_backward(base, mom, inputs, labels, steps=2):
+    """`_train` as GACT ran it: a reentrant checkpoint, the MOM's hooks on through backward too; also returns how
+    many tensors its hooks packed during backward (the recomputation's)."""
+    net = copy.deepcopy(base)
+    handle = moms.apply_stack(net, mom, reentrant=True)
+    counted = {"backward": 0}
+    if handle.hooks is not None:
+        pack, phase = handle.hooks.pack, {"backward": False}
+
+        def spy(x):
+            counted["backward"] += phase["backward"]
+            return pack(x)
+
+        handle.hooks.pack = spy
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        with handle.context():
+            loss = F.cross_entropy(net(inputs).logits.reshape(-1, 3), labels)
+        if handle.hooks is not None:
+            phase["backward"] = True
+        with handle.context():
+            loss.backward()
+        if handle.hooks is not None:
+            phase["backward"] = False
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in net.state_dict().items()}, counted["backward"]
+
+
+def test_a_reentrant_checkpoint_recomputes_under_hooks_that_stay_on_through_backward():
+    """The paper's stack (transformers 4.x's reentrant checkpoint, GACT's hooks pushed once): training is unchanged,
+    and the recomputation's saved tensors pass through the MOM's pack during backward (swap moves them, quant
+    would compress them); with momlab's non-reentrant checkpoint nothing is packed in backward."""
+    torch.manual_seed(0)
+    base = tiny_bert(dropout=0.1)
+    ids, labels = torch.randint(0, 100, (4, 32)), torch.randint(0, 3, (4,))
+    losses, state = _train(base, "exact", ids, labels)
+    for mom in ("ckpt", "swap+ckpt"):
+        got_losses, got_state, in_backward = _train_hooked_through_backward(base, mom, ids, labels)
+        assert got_losses == losses, mom
+        for name in state:
+            assert torch.equal(got_state[name], state[name]), (mom, name)
+        if mom == "swap+ckpt":
+            # every block's recomputation saves tensors again (two blocks, two steps)
+            assert in_backward >= 2 * 2 * 4, in_backward
+    net = copy.deepcopy(base)
+    handle = moms.apply(net, "swap+ckpt")
+    packed = []
+    pack = handle.hooks.pack
+    handle.hooks.pack = lambda x: (packed.append(1), pack(x))[1]
+    with handle.context():
+        loss = F.cross_entropy(net(ids).logits.reshape(-1, 3), labels)
+    before = len(packed)
+    with handle.context():
+        loss.backward()
+    assert len(packed) == before > 0  # non-reentrant: the recomputation keeps its tensors in its own frame
+
+
+def test_a_reentrant_checkpoint_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="selective checkpointing's policy needs the non-reentrant checkpoint"):
+        moms.apply_stack(tiny_bert(), "ckpt-selective", reentrant=True)
+    with pytest.raises(ValueError, match="has BatchNorm.*use reentrant=False"):
+        moms.apply_stack(tiny_resnet(), "ckpt", reentrant=True)
+
+
 def test_swin_trains_identically_with_ckpt_and_swap():
     torch.manual_seed(0)
     base = tiny_swin()

@@ -59,6 +59,32 @@ def test_paper_setup_per_model():
     assert [stack(m, "paper").timed for m in ("swin-large", "bert-large", "gpt3-small", "resnet50")] == \
         ["step", "forward-backward", "step", "step"]
     assert stack("bert-large").foreach and stack("bert-large").timed == "step"
+    # transformers 4.x, Microsoft's Swin and fairseq checkpointed with torch 1.x's reentrant checkpoint, and GACT
+    # kept its hooks on through backward; today's stack is non-reentrant with hooks around forward
+    assert [stack(m, "paper").checkpoint for m in ("swin-large", "bert-large", "gpt3-small", "resnet50")] == \
+        ["reentrant", "reentrant", "reentrant", "non-reentrant"]
+    assert {stack(m, "paper").hooks for m in ("swin-large", "bert-large", "gpt3-small", "resnet50")} == {"step"}
+    assert (stack("bert-large").checkpoint, stack("bert-large").hooks) == ("non-reentrant", "forward")
+
+
+def test_the_papers_quant4_ckpt_quantizes_the_recomputation():
+    """A workload of the paper's stack keeps GACT's hooks on through backward, where its reentrant checkpoint
+    recomputes each block: quantization packs tensors during backward; today's stack packs none there."""
+    in_backward = {}
+    for setup in ("paper", "default"):
+        w = build("bert-base", batch_size=2, mom="quant4+ckpt", setup=setup, **TINY_BERT)
+        assert w.options["checkpoint"] == ("reentrant" if setup == "paper" else "non-reentrant")
+        assert w.options["hooks"] == ("step" if setup == "paper" else "forward")
+        pack, phase, count = w.handle.hooks.pack, {"backward": False}, [0]
+
+        def spy(x, pack=pack, phase=phase, count=count):
+            count[0] += phase["backward"]
+            return pack(x)
+
+        w.handle.hooks.pack = spy
+        w.step(on_forward_end=lambda phase=phase: phase.update(backward=True))
+        in_backward[setup] = count[0]
+    assert in_backward["default"] == 0 and in_backward["paper"] >= 2 * 4, in_backward
 
 
 def test_the_papers_optimizer_steps_one_parameter_at_a_time():

@@ -217,6 +217,13 @@ def test_the_papers_swap_copies_on_the_compute_stream():
     assert swap_schedule("swap", "paper") == swap_schedule("swap+ckpt", "paper") == "serial"
     assert swap_schedule("quant4+swap", "paper") == "serial-forward"
     assert swap_schedule("ckpt", "paper") == "overlap"  # nothing to copy
+    # a recomputation swapped within backward (GACT's hooks on through a reentrant checkpoint's backward): 1 ms
+    # each way more, both on the compute stream for the paper's swap
+    p = _step([0.0] * 14, [ms] * 14, [FP32] * 14, host=2 * copy, forward=4, backward=12)
+    p.backward_host = copy
+    t = step_time(p, V100, cal, swap="serial")
+    assert t.step_time_s == pytest.approx(14e-3 + 4e-3 + 2e-3) and t.transfer_s == pytest.approx(6e-3)
+    assert step_time(p, V100, cal, swap="serial-forward").step_time_s == pytest.approx(14e-3 + 2e-3 + 1e-3)
 
 
 def test_swap_copies_run_at_the_pinned_rate_of_the_link():

@@ -160,6 +160,7 @@ class MomHandle:
     blocks: list[nn.Module]
     module: nn.Module
     hooks: _SavedTensors | None = None
+    reentrant: bool = False  # checkpoint blocks with torch < 2.0's reentrant checkpoint (`ckpt.wrap`)
     _wrappers: list[nn.Module] = field(default_factory=list, repr=False)
     _handles: list = field(default_factory=list, repr=False)
     checkpointed: tuple[int, ...] = ()
@@ -172,7 +173,7 @@ class MomHandle:
         if chosen and not 0 <= chosen[0] <= chosen[-1] < len(self.blocks):
             raise ValueError(f"block indices must be in 0..{len(self.blocks) - 1}, got {list(indices)}")
         ckpt.unwrap(self.module, self._wrappers)
-        self._wrappers = ckpt.wrap(self.module, [self.blocks[i] for i in chosen])
+        self._wrappers = ckpt.wrap(self.module, [self.blocks[i] for i in chosen], reentrant=self.reentrant)
         self.checkpointed = tuple(chosen)
 
     def compile_state(self) -> dict | None:
@@ -209,6 +210,16 @@ def apply(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
     MOM's saved-tensor hooks; enter ``handle.context()`` around anything
     else that saves tensors for backward (the loss).
     """
+    return apply_stack(module, mom, blocks, seed=seed, prefetch=prefetch, compile=compile, checkpoint=checkpoint)
+
+
+def apply_stack(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
+                seed: int = 0, prefetch: bool = True, compile: bool | None = None, checkpoint=(),
+                reentrant: bool = False) -> MomHandle:
+    """`apply`, choosing how ckpt checkpoints: `reentrant` runs torch < 2.0's reentrant checkpoint
+    (`momlab.moms.ckpt`), the paper's stack (`momlab.workload.Stack.checkpoint`). Enter
+    ``handle.context()`` around backward too and its recomputation passes the MOM's hooks, as GACT's
+    hooks, pushed once for a whole run, made it."""
     mom = Mom.of(mom)
     parts = mom.parts
     if getattr(module, "_momlab_mom", None) is not None:
@@ -225,7 +236,10 @@ def apply(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
         blocks = list(blocks)
         if not blocks and any(p in _CHECKPOINTING for p in parts):
             raise ValueError(f"{mom} needs at least one block; blocks=[] was passed")
-    handle = compose(module, mom, blocks, seed=seed, prefetch=prefetch, compile=compile)
+    if reentrant and "ckpt-selective" in parts:
+        raise ValueError(f"{mom}: selective checkpointing's policy needs the non-reentrant checkpoint; "
+                         f"reentrant=True takes 'ckpt' or 'ckpt-auto'")
+    handle = compose(module, mom, blocks, seed=seed, prefetch=prefetch, compile=compile, reentrant=reentrant)
     if "ckpt-auto" in parts:
         handle.checkpoint(checkpoint)
     elif checkpoint:
@@ -235,11 +249,11 @@ def apply(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
 
 
 def compose(module: nn.Module, mom: Mom, blocks: list[nn.Module], *,
-            seed: int = 0, prefetch: bool = True, compile: bool | None = None) -> MomHandle:
+            seed: int = 0, prefetch: bool = True, compile: bool | None = None, reentrant: bool = False) -> MomHandle:
     """The one place that orders MOMs: checkpoint wrapping, then saved-tensor hooks."""
     mom = Mom.of(mom)
     parts = mom.parts
-    handle = MomHandle(mom, list(blocks), module)
+    handle = MomHandle(mom, list(blocks), module, reentrant=reentrant)
     stages = []
     bits = [_QUANT[p] for p in parts if p in _QUANT]
     if bits:
@@ -253,7 +267,7 @@ def compose(module: nn.Module, mom: Mom, blocks: list[nn.Module], *,
     # 1. checkpointing decides what is saved at all; it replaces the blocks
     run_blocks = list(blocks)
     if "ckpt" in parts:
-        handle._wrappers = run_blocks = ckpt.wrap(module, blocks)
+        handle._wrappers = run_blocks = ckpt.wrap(module, blocks, reentrant=reentrant)
     elif "ckpt-selective" in parts:
         cache = (handle.hooks.pack, handle.hooks.unpack) if handle.hooks is not None else None
         handle._wrappers = run_blocks = selective.wrap(module, blocks, cache=cache)
@@ -485,4 +499,4 @@ class _CallableModule(types.ModuleType):
 
 sys.modules[__name__].__class__ = _CallableModule
 
-__all__ = ["moms", "parse", "canonical", "apply", "compose", "find_blocks", "MomHandle", "ORDER"]
+__all__ = ["moms", "parse", "canonical", "apply", "apply_stack", "compose", "find_blocks", "MomHandle", "ORDER"]

@@ -20,6 +20,15 @@ BatchNorm inside a checkpointed block would update its running statistics a
 second time during recomputation; the recomputation runs with them frozen,
 so running statistics match training without checkpointing.
 
+``reentrant=True`` runs torch < 2.0's default instead (``use_reentrant=True``,
+what transformers 4.x's ``gradient_checkpointing``, Microsoft's Swin and
+fairseq ran): forward saves each block's inputs through ``save_for_backward``,
+and backward reruns the block with grad enabled and backpropagates through it
+on its own. Its recomputation saves tensors the ordinary way, so any
+saved-tensor hooks active during backward (GACT's, installed once for the
+whole run) compress or move them too. It takes no context managers: a block
+with BatchNorm must stay non-reentrant.
+
 Apply it through ``momlab.moms.apply(model, "ckpt", blocks=...)``; this module
 exposes `wrap` (wrap the blocks of a model) and `unwrap`.
 """
@@ -40,14 +49,23 @@ __all__ = ["wrap", "unwrap", "frozen_norm_statistics"]
 
 
 def wrap(module: nn.Module, blocks: list[nn.Module], *,
-         context_fn: Callable[[nn.Module], tuple] | None = None) -> list[nn.Module]:
+         context_fn: Callable[[nn.Module], tuple] | None = None, reentrant: bool = False) -> list[nn.Module]:
     """Replace each of `blocks` in its parent inside `module` by a checkpointed wrapper.
 
     `context_fn(block)`, if given, returns torch.utils.checkpoint's pair of
     (forward, recompute) context managers for one call of that block (how
-    selective checkpointing plugs in its policy). Returns the wrappers, in
-    the order of `blocks`.
+    selective checkpointing plugs in its policy). `reentrant`: torch < 2.0's
+    reentrant checkpoint (module docstring). Returns the wrappers, in the
+    order of `blocks`.
     """
+    if reentrant:
+        if context_fn is not None:
+            raise ValueError("a reentrant checkpoint takes no context managers (selective checkpointing's "
+                             "policy): use reentrant=False")
+        norms = [b for b in blocks if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in b.modules())]
+        if norms:
+            raise ValueError(f"block {type(norms[0]).__name__} has BatchNorm, whose running statistics a reentrant "
+                             f"recomputation would update twice: use reentrant=False")
     parents = _parents(module)
     wrappers = []
     for block in blocks:
@@ -58,12 +76,15 @@ def wrap(module: nn.Module, blocks: list[nn.Module], *,
         places = parents.get(id(block))
         if not places:
             raise ValueError(f"block {type(block).__name__} is not a submodule of the model")
-        contexts = (lambda b=block: context_fn(b)) if context_fn is not None else (lambda b=block: _default(b))
-        wrapper = checkpoint_wrapper(
-            block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-            preserve_rng_state=True,  # recomputed dropout must draw the same masks
-            context_fn=contexts,
-        )
+        if reentrant:
+            wrapper = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.REENTRANT, preserve_rng_state=True)
+        else:
+            contexts = (lambda b=block: context_fn(b)) if context_fn is not None else (lambda b=block: _default(b))
+            wrapper = checkpoint_wrapper(
+                block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                preserve_rng_state=True,  # recomputed dropout must draw the same masks
+                context_fn=contexts,
+            )
         for parent, name in places:
             setattr(parent, name, wrapper)
         wrappers.append(wrapper)
