@@ -84,7 +84,7 @@ _FMT_PARAM = ("fp32", "conv32", "half", "half")
 _MIN_SHARE = 0.02
 # the seconds-valued parameters' physical range: host time per op, device time per kernel beyond its roofline
 _BOUNDS = {"launch": (1e-7, 1e-3), "kernel": (1e-8, 2e-5)}
-# fewer Exact records than this: one common scale of every cost is fitted (5 free parameters need more)
+# fewer Exact records than this: one common scale of every cost is fitted (6 free parameters need more)
 _MIN_FULL_FIT = 6
 
 
@@ -251,8 +251,7 @@ def swap_phases(forward_s: float, backward_s: float, copy_s: float,
     check_choice("swap schedule", schedule, SWAP_SCHEDULES)
     extra = backward_copy_s
     if schedule == "overlap":  # side streams: every copy of backward beside its compute
-        forward, backward = swap_overlap(forward_s, backward_s, copy_s + 2 * extra)
-        return max(forward_s, copy_s), backward
+        return max(forward_s, copy_s), max(backward_s, copy_s + 2 * extra)
     if schedule == "serial":  # both directions on the compute stream
         return forward_s + copy_s, backward_s + copy_s + 2 * extra
     # serial-forward: copies out on the compute stream, copies back prefetched beside it
