@@ -138,6 +138,12 @@ def _compute_eff(cal: "Calibration") -> np.ndarray:
     return np.array([cal.compute_efficiency[k] for k in _FMT_PARAM], dtype=np.float64)
 
 
+def _fused(p) -> np.ndarray | None:
+    """Per op of trace `p`, the fused quantization kernel it belongs to (-1: none), or None without any."""
+    group = getattr(p, "group", None)
+    return group if group is not None and len(group) and (group >= 0).any() else None
+
+
 def _kernels(p, gpu: Gpu, cal: "Calibration", tf32: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
     """Device seconds of each op's kernel (a fused kernel's time on its first op, its other ops 0), host
     seconds to issue each op (a fused kernel is one launch), and the fused kernels' total."""
@@ -146,8 +152,8 @@ def _kernels(p, gpu: Gpu, cal: "Calibration", tf32: bool = False) -> tuple[np.nd
     k = np.maximum(compute / _compute_eff(cal)[p.fmt.astype(np.int64)], memory / cal.memory_efficiency) + overhead
     h = np.full(len(k), cal.launch_s)
     fused = 0.0
-    group = getattr(p, "group", None)
-    if gpu.kernels == "cuda" and group is not None and len(group) and (group >= 0).any():  # compiled on CUDA only
+    group = _fused(p)
+    if gpu.kernels == "cuda" and group is not None:  # compiled on CUDA only
         inside = group >= 0
         ids, first = np.unique(group[inside], return_index=True)
         first = np.flatnonzero(inside)[first]
@@ -289,9 +295,8 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
     parts = dict(ideal_s=ideal, compute_bound_s=float(per_op[compute >= memory].sum()),
                  memory_bound_s=float(per_op[compute < memory].sum()), launch_s=n * cal.launch_s, ops=n)
     if gpu.kernels == "cuda":  # a fused quantization kernel's ops are one kernel
-        group = getattr(p, "group", None)
-        grouped = group is not None and len(group) and (group >= 0).any()
-        kernels = int((group < 0).sum()) + len(np.unique(group[group >= 0])) if grouped else n
+        group = _fused(p)
+        kernels = n if group is None else int((group < 0).sum()) + len(np.unique(group[group >= 0]))
         parts["overhead_s"] = kernels * cal.kernel_s
     fwd_n, bwd_n = getattr(p, "forward_ops", 0), getattr(p, "backward_ops", 0)
     if not 0 < fwd_n <= bwd_n <= n:  # phases unknown (a trace from before they were recorded): one phase
@@ -490,8 +495,7 @@ class _Points:
     def __init__(self, probes, measured, gpu: Gpu, syncs=None, windows=None):
         comp, mem, fmt, lengths, record = [], [], [], [], []
         for i, p in enumerate(probes):
-            group = getattr(p, "group", None)
-            if group is not None and len(group) and (group >= 0).any():
+            if _fused(p) is not None:
                 raise ValueError("a calibration record must be an Exact step (this one has fused quantization "
                                  "kernels): MOM runs are what the model predicts, never what it is fitted to")
             c, m = _roofline(p, gpu, False)
