@@ -8,7 +8,9 @@ S1 ratio table with the error per row (rows whose paper MOM is another
 system marked), the sets of MOMs that beat Exact, and the depth at which
 Checkpoint overtakes Exact for BERT, the paper's and predicted: over the batch
 sizes the paper ran at each depth (what it measured: its depth study stepped
-coarsely) and over every batch.
+coarsely) and over every batch; and the GPU utilization the paper sampled
+against the predicted share of each step the GPU runs kernels
+(`validation.utilization_table`): where a step's time goes, host or GPU.
 
 Targets (issue 14): |ratio error| <= 0.15 on every comparable row; the same
 set of MOMs beating Exact per model; the crossing within 4 layers.
@@ -49,6 +51,10 @@ def main() -> int:
     for r in out["verdicts"].itertuples(index=False):
         print(f"  {r.model:16s} beat Exact: paper {r.paper_beat or '-'}, predicted {r.pred_beat or '-'}"
               f"{'' if r.same else '   <- differs'}")
+    util = validation.utilization_summary(validation.utilization_table(args.models, results=[]))
+    print("\nGPU utilization (nvidia-smi's share of the loop a kernel runs), the paper's runs against the "
+          "prediction\n(medians over each sweep; nothing fitted to it):")
+    print(util.to_string(index=False, float_format=lambda v: f"{v:.2f}"))
     if "depth" in out:
         print(f"\nBERT-large depth where Checkpoint overtakes Exact: paper {out['paper_crossing']:.1f} layers; "
               f"predicted over the batches the paper ran at each depth {out['pred_crossing_paper_batches']:.1f}, "

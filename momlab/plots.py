@@ -684,6 +684,21 @@ def loss_curves(curves: pd.DataFrame, *, title: str | None = "Training loss, exa
     return fig
 
 
+def _model_mom_panels(df: pd.DataFrame, ncols: int | None, draw) -> tuple[Figure, dict]:
+    """A panel per model of `df` (its order), batch size on x; `draw(ax, style, rows)` per MOM in the panel,
+    its rows sorted by batch size. Returns the figure and each model's axes."""
+    models = list(dict.fromkeys(df["model"]))
+    fig, axes = _grid(len(models), ncols)
+    for ax, model in zip(axes, models):
+        panel = df[df["model"] == model]
+        for mom in _moms_in_order(panel["mom"]):
+            draw(ax, mom_style(mom), panel[panel["mom"] == mom].sort_values("batch_size"))
+        ax.set_title(model, fontsize=10)
+        ax.set_xlabel("batch size")
+        ax.grid(alpha=0.3)
+    return fig, dict(zip(models, axes))
+
+
 def predicted_vs_paper(curves: pd.DataFrame, *, title: str | None = "Predicted throughput against the paper's",
                        device: str = "V100 16 GB", calibration: str = "", ncols: int | None = None) -> Figure:
     """A panel per model: the paper's measured throughput at each batch size (points) and the predicted
@@ -691,33 +706,53 @@ def predicted_vs_paper(curves: pd.DataFrame, *, title: str | None = "Predicted t
     the predicted largest batch are drawn dotted: their step time is predicted, their memory does not fit."""
     if curves.empty:
         raise ValueError("predicted_vs_paper needs at least one row (momlab.validation.curves)")
-    models = list(dict.fromkeys(curves["model"]))
-    fig, axes = _grid(len(models), ncols)
-    for ax, model in zip(axes, models):
-        panel = curves[curves["model"] == model]
-        for mom in _moms_in_order(panel["mom"]):
-            st = mom_style(mom)
-            g = panel[panel["mom"] == mom].sort_values("batch_size")
-            seen = g[g["paper_throughput"].notna()]
-            ax.plot(seen["batch_size"], seen["paper_throughput"], linestyle="none", marker=st["marker"],
-                    color=st["color"], markersize=4, alpha=0.6, markevery=_markevery(len(seen), 20))
-            fits = g[g["pred_fits"]]
-            ax.plot(fits["batch_size"], fits["pred_throughput"], color=st["color"], linestyle="-", linewidth=1.6)
-            over = g[~g["pred_fits"]]
-            if len(over):
-                join = pd.concat([fits.tail(1), over])
-                ax.plot(join["batch_size"], join["pred_throughput"], color=st["color"], linestyle=":",
-                        linewidth=1.2)
-        ax.set_title(model, fontsize=10)
-        ax.set_xlabel("batch size")
+
+    def draw(ax, st, g):
+        seen = g[g["paper_throughput"].notna()]
+        ax.plot(seen["batch_size"], seen["paper_throughput"], linestyle="none", marker=st["marker"],
+                color=st["color"], markersize=4, alpha=0.6, markevery=_markevery(len(seen), 20))
+        fits = g[g["pred_fits"]]
+        ax.plot(fits["batch_size"], fits["pred_throughput"], color=st["color"], linestyle="-", linewidth=1.6)
+        over = g[~g["pred_fits"]]
+        if len(over):
+            join = pd.concat([fits.tail(1), over])
+            ax.plot(join["batch_size"], join["pred_throughput"], color=st["color"], linestyle=":", linewidth=1.2)
+
+    fig, panels = _model_mom_panels(curves, ncols, draw)
+    for model, ax in panels.items():
         ax.set_ylabel(f"throughput ({_unit_for(model, None)})")
         ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
     extra = [Line2D([], [], color="gray", linestyle="none", marker="o", label="paper (measured)"),
              Line2D([], [], color="gray", linestyle="-", label="momlab (predicted)"),
              Line2D([], [], color="gray", linestyle=":", label="predicted, does not fit")]
     _mom_legend(fig, _moms_in_order(curves["mom"]), oom=False, extra=extra)
     _title(fig, title, f"{device}; {calibration}" if calibration else device)
+    return fig
+
+
+def predicted_utilization(table: pd.DataFrame, *,
+                          title: str | None = "GPU utilization: the paper's samples against the prediction",
+                          device: str = "V100 16 GB", ncols: int | None = None) -> Figure:
+    """A panel per model: the share of the loop a kernel runs on the GPU against the batch size, the paper's
+    nvidia-smi samples (points) and the predicted share (line), per MOM (``momlab.validation.utilization_table``).
+    Below 1 the GPU waits for the host that issues its kernels."""
+    if table.empty:
+        raise ValueError("predicted_utilization needs at least one row (momlab.validation.utilization_table)")
+
+    def draw(ax, st, g):
+        ax.plot(g["batch_size"], 100 * g["paper_utilization"], linestyle="none", marker=st["marker"],
+                color=st["color"], markersize=4, alpha=0.6)
+        pred = g.groupby("batch_size")["pred_utilization"].first()
+        ax.plot(pred.index, 100 * pred.values, color=st["color"], linestyle="-", linewidth=1.6)
+
+    fig, panels = _model_mom_panels(table, ncols, draw)
+    for ax in panels.values():
+        ax.set_ylabel("GPU utilization (%)")
+        ax.set_ylim(0, 105)
+    extra = [Line2D([], [], color="gray", linestyle="none", marker="o", label="paper (nvidia-smi, measured)"),
+             Line2D([], [], color="gray", linestyle="-", label="momlab (predicted)")]
+    _mom_legend(fig, _moms_in_order(table["mom"]), oom=False, extra=extra)
+    _title(fig, title, device)
     return fig
 
 

@@ -108,7 +108,9 @@ class StepTime:
     (fused quantization kernels included, swap copies not); ``transfer_s``:
     both directions of swap's copies at the link's pinned bandwidth;
     ``exposed_transfer_s``: the part of them compute did not hide;
-    ``window``: what ``step_time_s`` covers (`WINDOWS`).
+    ``window``: what ``step_time_s`` covers (`WINDOWS`); ``busy_s``: the
+    seconds the GPU runs kernels in the whole step (every phase, whatever the
+    window), so `gpu_utilization` is what nvidia-smi's utilization samples.
     """
 
     step_time_s: float
@@ -125,6 +127,14 @@ class StepTime:
     fused_s: float = 0.0  # quantization's encode/decode kernels
     exposed_transfer_s: float = 0.0
     window: str = "step"
+    busy_s: float = 0.0  # GPU only: the kernels' device seconds over the whole step (swap copies not)
+
+    @property
+    def gpu_utilization(self) -> float:
+        """The share of the whole step (every phase, whatever the window) in which a kernel runs on the GPU:
+        nvidia-smi's utilization of a training loop. NaN on a CPU."""
+        wall = self.step_time_s + (self.optimizer_s if self.window == "forward-backward" else 0.0)
+        return self.busy_s / wall if self.busy_s > 0 and wall > 0 else math.nan
 
 
 def _roofline(p, gpu, tf32: bool):
@@ -311,6 +321,7 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
                         window=window)
     copy = p.host_bytes / gpu.pinned_bandwidth
     again = getattr(p, "backward_host", 0) / gpu.pinned_bandwidth
+    busy = float(_kernels(p, gpu, cal, tf32)[0].sum())
     if fwd_n == bwd_n == n:
         f, b = (max(fwd, 2 * (copy + again)) if swap == "overlap" else fwd + 2 * (copy + again)), 0.0
     else:
@@ -318,7 +329,7 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
     timed = opt if window == "step" else 0.0
     total = f + b + timed
     return StepTime(total, **parts, transfer_s=2 * (copy + again), forward_s=fwd, backward_s=bwd, optimizer_s=opt,
-                    fused_s=fused, exposed_transfer_s=total - (fwd + bwd + timed), window=window)
+                    fused_s=fused, exposed_transfer_s=total - (fwd + bwd + timed), window=window, busy_s=busy)
 
 
 # -- calibration -----------------------------------------------------------------------------

@@ -55,6 +55,7 @@ from momlab import reference
 from momlab.errors import check_choice
 from momlab.estimate import (ALLOCATORS, best_throughput, calibrate, cuda_overheads, estimate, predict_max_batch,
                              profile, throughput_curve)
+from momlab.timemodel import StepTime
 
 GPU = "V100-16"
 # every prediction here is made with the paper's own software stack (`momlab.workload.stack`): what its runs ran
@@ -164,6 +165,56 @@ def curves(model: str, *, gpu: str = GPU, results=None) -> pd.DataFrame:
                          "paper_throughput": float(measured.get(e.batch_size, math.nan)),
                          "pred_throughput": e.batch_size / e.step_time_s, "pred_fits": e.fits})
     return pd.DataFrame(rows)
+
+
+def utilization_table(models=None, *, gpu: str = GPU, results=None) -> pd.DataFrame:
+    """Predicted against the paper's GPU utilization: where a step's time goes, host or GPU.
+
+    The paper sampled nvidia-smi's utilization (the share of time a kernel
+    runs on the GPU) over Exact and Checkpoint runs of one V100
+    (``gpu_utilization`` in `momlab.reference`). The time model predicts it
+    as the kernels' device seconds over the whole step's wall time
+    (`momlab.timemodel.StepTime.gpu_utilization`): under 1 where the GPU
+    waits for the host to issue kernels (or, at fp16, for the loss scaler's
+    check). It tells apart what a throughput curve cannot: a step predicted
+    right for the wrong reason (host time where the GPU was busy). nvidia-smi
+    samples the whole loop, data loading and logging included, and each run's
+    rows repeat noisily (BERT-L exact at batch 20: 12%), so compare medians,
+    not rows. Nothing is fitted to it.
+
+    One row per paper run (model, mom, batch_size, paper_utilization,
+    pred_utilization, error: predicted minus measured share,
+    paper_step_time_s, pred_step_time_s: each over the window the paper
+    timed, pred_busy_s, source); `models`: those to show (default all that
+    have utilization records).
+    """
+    runs = reference.paper_utilization_runs()
+    runs = runs[runs["mom"].isin(list(PAPER_MOMS))]
+    if models is not None:
+        runs = runs[runs["model"].isin(list(models))]
+    rows = []
+    for r in runs.itertuples(index=False):
+        e = estimate(r.model, PAPER_MOMS[r.mom], batch_size=int(r.batch_size), gpu=gpu,
+                     precision=r.precision, results=results, setup=SETUP)
+        measured_step = r.step_time_s if r.step_time_s == r.step_time_s else r.batch_size / r.throughput
+        util = StepTime(step_time_s=e.step_time_s, **e.time).gpu_utilization  # `Estimate.time`: the rest of it
+        rows.append({"model": r.model, "mom": r.mom, "batch_size": int(r.batch_size),
+                     "paper_utilization": float(r.gpu_utilization), "pred_utilization": util,
+                     "error": util - float(r.gpu_utilization),
+                     "paper_step_time_s": float(measured_step), "pred_step_time_s": e.step_time_s,
+                     "pred_busy_s": float(e.time["busy_s"]), "source": r.source})
+    return pd.DataFrame(rows, columns=["model", "mom", "batch_size", "paper_utilization", "pred_utilization",
+                                       "error", "paper_step_time_s", "pred_step_time_s", "pred_busy_s", "source"])
+
+
+def utilization_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """Per (model, MOM) of `utilization_table`: runs, the batch range, the median measured and predicted
+    utilization and the median error (predicted minus measured share)."""
+    g = table.groupby(["model", "mom"], sort=False)
+    return pd.DataFrame({"runs": g.size(), "batch_lo": g["batch_size"].min(), "batch_hi": g["batch_size"].max(),
+                         "paper_median": g["paper_utilization"].median(),
+                         "pred_median": g["pred_utilization"].median(),
+                         "median_error": g["error"].median()}).reset_index()
 
 
 def depth_curves(depths=None, *, model: str = "bert-large", gpu: str = GPU, results=None,

@@ -75,7 +75,8 @@ records of the single-V100 depth study; the 8v100 BERT max-batch file is the
 v100 one). A record identical to one already taken from another file is the
 same run copied and is dropped. Records with a timestamp are the same run when
 network, algorithm, batch and timestamp agree (a copy may rename a field:
-GPT's utilization file writes ``peak_mem`` where the speed file has ``peak``);
+GPT's utilization file writes ``peak_mem`` where the speed file has ``peak``, and adds the GPU's
+utilization, which the kept row takes over);
 records without one (OOM markers, Megatron rows) when all fields agree and
 they come from files of the same benchmark and GPU count. Files are read
 single-GPU first and speed sweeps before the memory and utilization files
@@ -238,7 +239,7 @@ COLUMNS = [
     "size.seq_len", "size.num_heads",
     "fits", "throughput", "step_time_s",
     "peak_bytes", "activation_bytes", "workspace_bytes", "model_bytes",
-    "params_bytes", "total_bytes", "budget",
+    "params_bytes", "total_bytes", "budget", "gpu_utilization",
     "experiment", "algorithm", "source",
 ]
 INT_COLUMNS = [
@@ -387,6 +388,8 @@ def rows_from_json(path: Path, experiment: str) -> list[tuple[dict, dict]]:
             "fits": fits, "throughput": throughput, "step_time_s": step_time,
             **mem,
             "budget": rec.get("mem_budget", math.nan),
+            # nvidia-smi's share of time a kernel ran, sampled over the run (percent in the raw records)
+            "gpu_utilization": rec["utilization"] / 100 if fits and rec.get("utilization") else math.nan,
             "experiment": exp, "algorithm": raw_alg,
             "source": f"{name}:{lineno}",
         }
@@ -464,7 +467,7 @@ def derive(data: Path) -> pd.DataFrame:
     unknown = [n for n in names if n not in catalogue]
     if unknown:
         raise ValueError(f"files not catalogued in FILES: {unknown}")
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple, tuple[str, int]] = {}  # a run -> the file it was first read from, its row
     rows = []
     for name in sorted(names, key=lambda n: file_order(n, catalogue[n][1])):
         include, what = catalogue[name]
@@ -479,9 +482,13 @@ def derive(data: Path) -> pd.DataFrame:
                 key = (raw["network"], row["algorithm"], raw.get("batch_size"), raw["tstamp"])
             else:
                 key = (json.dumps(raw, sort_keys=True), benchmark_of(name), row["gpus"])
-            first = seen.setdefault(key, name)
+            first, at = seen.setdefault(key, (name, len(rows)))
             if first != name:
                 dropped += 1
+                # a copy may add a field: the utilization files repeat speed runs with the GPU's utilization
+                util = row.get("gpu_utilization", math.nan)
+                if not math.isnan(util) and math.isnan(rows[at].get("gpu_utilization", math.nan)):
+                    rows[at]["gpu_utilization"] = util
                 continue
             rows.append(row)
             kept += 1

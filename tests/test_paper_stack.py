@@ -4,6 +4,7 @@ and the validation table against the paper's V100 data."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -378,6 +379,44 @@ def test_max_batch_table_rows_and_marks(monkeypatch):
     s = validation.max_batch_summary(t)
     assert s["rows"] == int(t.comparable.sum())
     assert s["rows_gpu_bound"] == int((t.comparable & t.gpu_bound).sum()) < s["rows"]
+
+
+def test_utilization_table_against_the_papers_samples(monkeypatch):
+    """The paper's sampled GPU utilization beside the predicted share (estimates stubbed): one row per run of
+    its utilization records and the speed runs they repeat, default sizes only, the error predicted minus
+    measured."""
+    seen = []
+
+    def fake_estimate(model, mom, *, batch_size, gpu, precision, setup, **kw):
+        seen.append((model, mom, precision, setup, gpu))
+        # a step of 10 ms a sample whose kernels run 5 ms a sample, timed over the whole step
+        times = dict(ideal_s=0.0, compute_bound_s=0.0, memory_bound_s=0.0, launch_s=0.0, transfer_s=0.0, ops=1,
+                     busy_s=0.005 * batch_size)
+        return SimpleNamespace(step_time_s=0.01 * batch_size, time=times)
+
+    monkeypatch.setattr(validation, "estimate", fake_estimate)
+    t = validation.utilization_table()
+    assert set(t.model) == {"swin-large", "bert-large", "gpt3-small", "resnet50", "resnet152", "wide-resnet50-2"}
+    assert {(setup, gpu) for *_, setup, gpu in seen} == {("paper", "V100-16")}
+    swin = t[t.model == "swin-large"]
+    # its file ran exact at 4..32 twice; at 32 nvidia-smi read 77.3% and 81.5%
+    assert len(swin) == 16 and sorted(swin[swin.batch_size == 32].paper_utilization) == pytest.approx([0.773, 0.815], abs=1e-3)
+    # GPT's utilization file repeats its speed runs: the values are kept on the speed rows (19 batches, 1..19)
+    gpt = t[t.model == "gpt3-small"]
+    assert sorted(gpt.batch_size) == list(range(1, 20)) and gpt.source.str.startswith("GPT_v100_results_speed").all()
+    assert gpt.set_index("batch_size").paper_utilization[19] == pytest.approx(0.845, abs=1e-3)
+    # BERT-L's depth and width runs (resized models) are not in it; its default size is
+    bert = t[t.model == "bert-large"]
+    assert set(bert.mom) == {"exact", "ckpt"} and bert.batch_size.max() == 400
+    assert ((t.paper_utilization > 0) & (t.paper_utilization <= 1)).all()
+    assert list(t.pred_utilization) == pytest.approx([0.5] * len(t))
+    assert list(t.pred_busy_s) == pytest.approx(list(0.005 * t.batch_size))
+    assert (t.error == t.pred_utilization - t.paper_utilization).all()
+    s = validation.utilization_summary(t).set_index(["model", "mom"])
+    assert s.loc[("swin-large", "exact"), "runs"] == 16 and s.loc[("swin-large", "exact"), "batch_hi"] == 32
+    assert s.loc[("swin-large", "exact"), "median_error"] == pytest.approx((swin.pred_utilization
+                                                                            - swin.paper_utilization).median())
+    assert set(validation.utilization_table(["resnet50"]).model) == {"resnet50"}
 
 
 def test_paper_headroom_from_the_papers_records_alone():

@@ -247,6 +247,28 @@ def test_a_fused_kernel_is_one_kernel():
     assert t.fused_s == pytest.approx(0.5e-3 + kernel) and t.overhead_s == pytest.approx(2 * kernel)
 
 
+def test_gpu_utilization_is_the_share_of_the_whole_step_a_kernel_runs():
+    """nvidia-smi's utilization as the time model predicts it: a queue of long kernels keeps the GPU busy
+    but for the first launch; a queue of tiny ones leaves it waiting for the host; a step timed over forward
+    and backward only still counts its optimizer's wall time and kernels (nvidia-smi samples the loop)."""
+    cal = _cal({**TRUTH, "launch": 10e-6, "kernel": 0.0})
+    per_ms = V100.memory_bandwidth * TRUTH["memory"] * 1e-3
+    long = _step([0.0] * 10, [per_ms] * 10, [FP32] * 10)  # 1 ms kernels, issued every 10 us
+    t = step_time(long, V100, cal)
+    assert t.busy_s == pytest.approx(10e-3)
+    assert t.gpu_utilization == pytest.approx(10e-3 / (10e-6 + 10e-3))
+    tiny = _step([0.0] * 100, [per_ms * 1e-3] * 100, [FP32] * 100)  # 1 us kernels, issued every 10 us
+    t = step_time(tiny, V100, cal)
+    assert t.busy_s == pytest.approx(100e-6) and t.step_time_s == pytest.approx(100 * 10e-6 + 1e-6)
+    assert t.gpu_utilization == pytest.approx(100e-6 / (100 * 10e-6 + 1e-6))
+    # 4 ops forward, 4 backward, 2 optimizer ops of 1 ms each; the window leaves the optimizer out
+    phased = _step([0.0] * 10, [per_ms] * 10, [FP32] * 10, forward=4, backward=8)
+    whole, window = step_time(phased, V100, cal), step_time(phased, V100, cal, window="forward-backward")
+    assert window.step_time_s == pytest.approx(whole.step_time_s - 2e-3)
+    assert window.busy_s == whole.busy_s and window.gpu_utilization == pytest.approx(whole.gpu_utilization)
+    assert math.isnan(step_time(long, get("cpu"), cal).gpu_utilization)
+
+
 def test_every_kernel_pays_its_overhead_on_the_device_only():
     """A kernel occupies the GPU for its roofline time plus the overhead of starting and draining it: a
     queue of tiny kernels the host runs ahead of takes their count times the overhead; a CPU op pays its
@@ -374,6 +396,24 @@ def test_predicted_vs_paper_draws_points_and_lines():
     lines = [ln for ln in ax.get_lines() if len(ln.get_xdata())]
     assert [list(ln.get_xdata()) for ln in lines] == [[8, 16], [8, 16], [16, 32], [8, 16, 32], [8, 16, 32]]
     assert "calibrated on test" in fig.get_suptitle().replace("\n", " ")
+
+
+def test_predicted_utilization_draws_samples_as_points_and_the_prediction_as_a_line():
+    import pandas as pd
+
+    from momlab import plots
+
+    # two samples at batch 32 (the paper repeated the sweep), one predicted value per batch
+    t = pd.DataFrame({"model": "swin-large", "mom": "exact", "batch_size": [16, 32, 16, 32],
+                      "paper_utilization": [0.64, 0.77, 0.66, 0.82], "pred_utilization": [0.70, 0.79] * 2})
+    fig = plots.predicted_utilization(t)
+    ax = fig.axes[0]
+    points, line = [ln for ln in ax.get_lines() if len(ln.get_xdata())]
+    assert list(points.get_ydata()) == pytest.approx([64, 66, 77, 82]) and points.get_linestyle() == "None"
+    assert list(line.get_xdata()) == [16, 32] and list(line.get_ydata()) == pytest.approx([70, 79])
+    assert ax.get_ylim() == (0, 105) and "utilization" in ax.get_ylabel()
+    with pytest.raises(ValueError, match="utilization_table"):
+        plots.predicted_utilization(t.iloc[:0])
 
 
 @pytest.mark.slow

@@ -18,6 +18,9 @@ mean the same thing:
   ``model_bytes`` (weights + gradients + optimizer state), ``params_bytes``
   (weights), ``total_bytes`` (allocated at the end of forward): the paper's
   own definitions, per GPU, as measured (not momlab's).
+- ``gpu_utilization``: where the paper sampled it (its utilization runs and
+  the speed runs they repeat), nvidia-smi's share of time a kernel was
+  running on the GPU over the run, 0-1.
 - ``budget``: the memory budget of DTR runs. ``experiment``: which study the
   run belongs to (speed, mem, depth, width, max_depth, ...).
 
@@ -107,6 +110,14 @@ def _s1_runs(gpus: int | None = 1) -> pd.DataFrame:
     if gpus is not None:
         sel &= df["gpus"] == gpus
     return df[sel]
+
+
+def paper_utilization_runs() -> pd.DataFrame:
+    """The one-GPU runs at the paper's precision and default size whose GPU utilization it sampled."""
+    df = _table()
+    sel = df["gpu_utilization"].notna() & df["fits"] & (df["gpus"] == 1) & df["model"].isin(PRECISION)
+    sel &= (df["precision"] == df["model"].map(PRECISION)) & _default_size(df)
+    return df[sel].copy()
 
 
 def paper_s1_runs(gpus: int | None = 1) -> pd.DataFrame:
@@ -325,4 +336,4 @@ def paper_memory_per_sample(model: str = "bert-large") -> pd.DataFrame:
 
 
 __all__ = ["paper_runs", "paper_s1", "paper_gpu_count", "paper_scaling", "paper_scaling_runs", "paper_largest",
-           "paper_memory_per_sample", "MODELS", "PRECISION", "UNITS", "GPU"]
+           "paper_memory_per_sample", "paper_utilization_runs", "MODELS", "PRECISION", "UNITS", "GPU"]
