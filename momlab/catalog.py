@@ -424,8 +424,8 @@ def loss(model: str, net: nn.Module, inputs: dict, *, upcast: bool = False) -> t
     labels = inputs["labels"]
     features = {k: v for k, v in inputs.items() if k != "labels"}
     logits = net(**features).logits
-    if upcast:
-        logits = logits.float()
     if spec(model).family in ("gpt", *DECODERS):
-        return F.cross_entropy(logits.view(-1, logits.size(-1)), labels.view(-1), ignore_index=-100)
-    return F.cross_entropy(logits, labels)
+        logits, labels = logits.view(-1, logits.size(-1)), labels.view(-1)
+    if upcast:  # the log-softmax reads the half logits into fp32 (fairseq's `log_softmax(x, dtype=float32)`)
+        return F.nll_loss(F.log_softmax(logits, -1, dtype=torch.float32), labels, ignore_index=-100)
+    return F.cross_entropy(logits, labels, ignore_index=-100)

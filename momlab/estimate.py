@@ -245,6 +245,16 @@ _CUDA_DECOMPOSED = ("cross_entropy_loss",)
 _NO_AUTOCAST = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 
 
+def _cuda_dropout(input, p, train):
+    """``dropout`` as CUDA runs it: one kernel that saves a bool mask (`native_dropout`), where the CPU's
+    composite draws a float noise tensor of the input's dtype and saves that (2 or 4 bytes a value, not 1)."""
+    if not train or p == 0 or input.numel() == 0:
+        return input
+    if p >= 1:
+        return input * torch.zeros_like(input)
+    return aten.native_dropout.default(input, p, train)[0]
+
+
 def _cast(x, dtype):
     if isinstance(x, torch.Tensor):
         return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
@@ -310,7 +320,8 @@ def _register_cuda_autocast(lib) -> None:
 
 @contextmanager
 def _kernels(kernels: str, tracer=None):
-    """While tracing for a GPU, `scaled_dot_product_attention` runs CUDA's kernel (`_cuda_sdpa`).
+    """While tracing for a GPU, `scaled_dot_product_attention` runs CUDA's kernel (`_cuda_sdpa`) and ``dropout``
+    CUDA's (`_cuda_dropout`).
 
     The CPU kernel choice is not an op a dispatch mode sees, and a torch
     function mode around sdpa is not active while backward recomputes a
@@ -330,6 +341,7 @@ def _kernels(kernels: str, tracer=None):
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
         lib = torch.library.Library("aten", "IMPL")
         lib.impl("scaled_dot_product_attention", _cuda_sdpa, "CompositeImplicitAutograd")
+        lib.impl("dropout", _cuda_dropout, "CompositeImplicitAutograd")
         _register_cuda_autocast(lib)
     _quant.TRACE_KERNEL = tracer.kernel if tracer is not None else None
     _quant.TRACE_CALL = tracer.replay if tracer is not None else None

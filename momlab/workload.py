@@ -59,6 +59,7 @@ from momlab.device import autocast, check_device
 from momlab.master import Fp32Gelu, LossScaler, MasterWeights
 from momlab.usermodel import resolve
 from momlab.errors import check_choice
+from momlab.legacy import softmax_saves_input
 from momlab.moms import apply_stack, parse_mom
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -129,13 +130,19 @@ class Stack:
     # (GACT's controller pushes them once for the whole run, so backward's reentrant recomputation is
     # quantized or swapped too)
     hooks: str = "forward"
+    # torch < 1.11's softmax and log_softmax kept their input for backward beside their output (`momlab.legacy`);
+    # the paper ran torch 1.10.1
+    softmax_saves_input: bool = False
+    # transformers 4.x's BERT added its extended attention mask to the scores always, in the model's dtype (fp32
+    # under autocast: the scores enter the softmax in fp32); today's adds none for a mask of all ones
+    extended_mask: bool = False
 
 
 def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
     """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
 
     >>> stack("bert-large", "paper")
-    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None, checkpoint='reentrant', hooks='step')
+    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None, checkpoint='reentrant', hooks='step', softmax_saves_input=True, extended_mask=True)
     >>> stack("gpt3-small", "paper").mixed
     'half-model'
     >>> stack("gpt3-small", attention="eager").optimizer
@@ -160,7 +167,8 @@ def stack(model: str, setup: str = "default", attention: str | None = None) -> S
                  timed=_PAPER_TIMED.get(family, "step") if paper else "step",
                  mixed="half-model" if fairseq else "autocast", attention_dropout=0.0 if fairseq else None,
                  checkpoint="reentrant" if paper and family in _PAPER_REENTRANT else "non-reentrant",
-                 hooks="step" if paper else "forward")
+                 hooks="step" if paper else "forward", softmax_saves_input=paper,
+                 extended_mask=paper and family == "bert")
 
 
 @dataclass
@@ -190,6 +198,8 @@ class Workload:
     buckets: list | None = None  # those buffers, one per gradient dtype, made before the first forward
     half_model: bool = False  # the model itself is fp16/bf16 (`Stack.mixed` "half-model"): no autocast
     hooks: str = "forward"  # the MOM's saved-tensor hooks cover the forward, or the whole "step" (`Stack.hooks`)
+    softmax_saves_input: bool = False  # torch < 1.11's softmax autograd (`Stack.softmax_saves_input`)
+    extended_mask: bool = False  # transformers 4.x's additive fp32 attention mask (`Stack.extended_mask`)
 
     @contextmanager
     def _own_rng(self):
@@ -252,16 +262,21 @@ class Workload:
         self._make_buckets()
         inputs = self.batch() if batch is None else batch
         context = self.handle.context() if self.handle is not None else nullcontext()
+        if self.extended_mask and inputs.get("attention_mask") is not None and inputs["attention_mask"].dim() == 2:
+            keep = inputs["attention_mask"][:, None, None, :].to(torch.float32)
+            inputs = {**inputs, "attention_mask": (1.0 - keep) * torch.finfo(torch.float32).min}
         if self.half_model:  # images enter a half model in its precision, as fairseq's --fp16 casts its batch
             dtype = _HALF[self.precision]
             inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in inputs.items()}
-        with autocast(self.device, "fp32" if self.half_model else self.precision), context:
+        legacy = softmax_saves_input(self.softmax_saves_input)
+        with autocast(self.device, "fp32" if self.half_model else self.precision), context, legacy:
             loss = catalog.loss(self.name, self.model, inputs, upcast=self.half_model)
         del inputs, batch
         if on_forward_end is not None:
             on_forward_end()
         # GACT's hooks stay on through backward, where a reentrant checkpoint's recomputation passes them
-        with self.handle.context() if self.hooks == "step" and self.handle is not None else nullcontext():
+        with self.handle.context() if self.hooks == "step" and self.handle is not None else nullcontext(), \
+                softmax_saves_input(self.softmax_saves_input):
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
             else:
@@ -371,7 +386,8 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     }
     # steps continue the global stream from where the model's initialization left it (see _own_rng)
     return Workload(model, size, batch_size, dev, precision, mom, seed, net, opt, scaler, handle, options, gen,
-                    _rng_state(dev), st.grads_to_none, st.ddp_buckets, half_model=half, hooks=st.hooks)
+                    _rng_state(dev), st.grads_to_none, st.ddp_buckets, half_model=half, hooks=st.hooks,
+                    softmax_saves_input=st.softmax_saves_input, extended_mask=st.extended_mask)
 
 
 @contextmanager

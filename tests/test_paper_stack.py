@@ -109,9 +109,11 @@ def test_ddp_buckets_are_a_second_copy_of_the_gradients():
     w = build("swin-tiny", batch_size=2, **tiny)
     trainable = sum(p.numel() * p.element_size() for p in w.model.parameters() if p.requires_grad)
     assert plain.grads_bytes == 2 * trainable and plain.options["ddp_buckets"]
-    # the buckets are resident before the first forward: model-related memory, not activations
+    # the buckets are resident before the first forward: model-related memory, not activations (which differ by
+    # what torch 1.10's log-softmax kept of the loss: its input, the fp32 logits)
     default = measure("swin-tiny", batch_size=2, steps=1, attention="sdpa", **tiny)
-    assert default.grads_bytes == trainable and plain.activation_bytes == default.activation_bytes
+    logits = 2 * w.model.config.num_labels * 4
+    assert default.grads_bytes == trainable and plain.activation_bytes == default.activation_bytes + logits
     # a trace books them as measure does
     e = E.estimate("swin-tiny", batch_size=2, gpu="cpu", setup="paper", attention="sdpa", **tiny)
     assert (e.grads_bytes, e.activation_bytes) == (plain.grads_bytes, plain.activation_bytes)
@@ -194,8 +196,12 @@ def test_a_half_model_trace_keeps_what_measure_keeps():
     cuda = E.estimate("gpt3-small", batch_size=2, gpu="V100-16", precision="fp16", setup="paper", **TINY_GPT)
     cpu = E.estimate("gpt3-small", batch_size=2, gpu="cpu", precision="fp16", setup="paper", **TINY_GPT)
     layer_norms = 2 * TINY_GPT["num_layers"] + 1
-    # two fp32 statistics per token and layer norm instead of two fp16 ones (allocator blocks round them up)
-    assert cuda.activation_bytes - cpu.activation_bytes >= layer_norms * 2 * 2 * 2 * TINY_GPT["seq_len"]
+    dropouts = 2 * TINY_GPT["num_layers"] + 1  # after attention and MLP, and the embeddings' (attention's is off)
+    # CUDA: two fp32 statistics per token and layer norm instead of two fp16 ones, and each dropout's bool mask
+    # (1 B a value) instead of the CPU's fp16 noise (2 B)
+    stats = layer_norms * 2 * (4 - 2) * 2 * TINY_GPT["seq_len"]
+    masks = dropouts * 2 * TINY_GPT["seq_len"] * TINY_GPT["hidden_size"] * (2 - 1)
+    assert cuda.activation_bytes - cpu.activation_bytes == stats - masks
 
 
 def test_a_half_model_runs_on_one_rank_only():
@@ -231,13 +237,15 @@ def test_eager_attention_saves_probabilities_and_masks_on_cuda():
     sdpa = E.estimate("bert-base", batch_size=b, gpu="A100-40", attention="sdpa", **TINY_BERT)
     scores = layers * b * heads * seq * seq
     head_dim = TINY_BERT["hidden_size"] // heads
-    # eager keeps per score at least: the softmax output (fp32, 4 B), the dropout mask (1 B) and the
-    # dropped-out probabilities the second matmul saves (4 B); the fused kernel keeps none of them. Beyond
-    # that eager may keep matmul's contiguous copies of k^T and v (fp32) and its additive mask (B x S x S
-    # fp32), plus allocator round-ups; the fused kernel's log-sum-exp is smaller than any of those
+    # eager keeps per score at least: the softmax output (fp32, 4 B), CUDA's dropout mask (bool, 1 B) and the
+    # dropped-out probabilities the second matmul saves (4 B); the fused kernel keeps none of them, only a
+    # log-sum-exp (fp32, H x S padded to 32 a layer and sample) and its dropout's seed and offset (2 int64 a layer).
+    # Beyond that eager may keep matmul's contiguous copies of k^T and v (fp32) and its additive mask (B x S x S
+    # fp32), plus allocator round-ups
     diff = eager.activation_bytes - sdpa.activation_bytes
     copies = 2 * layers * b * heads * seq * head_dim * 4 + b * seq * seq * 4
-    assert 9 * scores <= diff <= 9 * scores + copies + 64 * E.ALLOCATOR_BLOCK
+    lse = layers * b * heads * max(seq, 32) * 4 + layers * 2 * 8
+    assert 9 * scores - lse <= diff <= 9 * scores + copies + 64 * E.ALLOCATOR_BLOCK
     # on the CPU the math path materializes them either way: both stacks save the same bytes
     cpu = [E.estimate("bert-base", batch_size=b, gpu="cpu", attention=a, **TINY_BERT).activation_bytes
            for a in ("eager", "sdpa")]
@@ -433,3 +441,65 @@ def test_paper_headroom_from_the_papers_records_alone():
     # no failing run recorded: nothing stopped it, no headroom
     assert h.loc[("swin-large", "quant4"), "headroom"] != h.loc[("swin-large", "quant4"), "headroom"]
     assert list(validation.paper_headroom(["bert-large"])["model"].unique()) == ["bert-large"]
+
+
+# -- torch 1.10's autograd and transformers 4.x's mask: what the paper's steps kept ---------------------------
+
+def _saved_scores(w, kernels="cpu"):
+    """The dtypes of the attention-score-sized tensors one step of `w` saves for backward, counted."""
+    from collections import Counter
+
+    s = TINY_BERT["seq_len"]
+    with E._kernels(kernels):
+        w.step()
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append((t.dtype, tuple(t.shape))) or t,
+                                                      lambda t: t):
+            w.step()
+    return Counter(dt for dt, shape in kept if shape[-2:] == (s, s) and len(shape) == 4)
+
+
+def test_softmax_saves_its_input_as_torch_1_10_did():
+    """torch < 1.11 saved a softmax's input beside its output (pytorch/pytorch#49600): values and gradients are
+    today's, one more tensor is kept, and a hook packs it like any other."""
+    from momlab.legacy import softmax_saves_input
+
+    x = torch.randn(3, 7, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([0, 3, 6])
+    grads, kept = [], []
+    for on in (False, True):
+        n = []
+        with softmax_saves_input(on), torch.autograd.graph.saved_tensors_hooks(lambda t: n.append(t) or t,
+                                                                              lambda t: t):
+            y = torch.softmax(2 * x, -1)
+            loss = torch.nn.functional.cross_entropy(y * x, target)
+        (g,) = torch.autograd.grad(loss, x)
+        grads.append(g)
+        kept.append(n)
+    assert torch.equal(grads[0], grads[1])
+    assert len(kept[1]) == len(kept[0]) + 2  # softmax's input, and the loss's log-softmax input
+    assert any(t.shape == x.shape and torch.equal(t, 2 * x) for t in kept[1])
+    assert torch.autograd.gradcheck(lambda v: torch.log_softmax(v, 0), (x[0].detach().requires_grad_(),))
+    with softmax_saves_input():  # a half input read into fp32 keeps the half input (CUDA's half-to-float kernel)
+        h = torch.randn(4, 5, dtype=torch.float16, requires_grad=True)
+        n = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: n.append(t.dtype) or t, lambda t: t):
+            y = torch.log_softmax(h, -1, dtype=torch.float32)
+    assert y.dtype == torch.float32 and sorted(map(str, n)) == ["torch.float16", "torch.float32"]
+    y.sum().backward()
+    assert h.grad.dtype == torch.float16
+
+
+def test_the_papers_bert_keeps_fp32_scores_its_dropout_a_bool_mask():
+    """A CUDA trace of the paper's BERT keeps per layer what its 2022 step did: the scores entering the softmax
+    in fp32 (transformers 4.x's extended mask is fp32 under autocast; torch 1.10 saved the input) and its output,
+    CUDA's dropout's bool mask; today's stack keeps no input and, on the CPU, a float noise tensor."""
+    layers = TINY_BERT["num_layers"]
+    paper = build("bert-large", batch_size=2, precision="fp16", setup="paper", **TINY_BERT)
+    assert paper.extended_mask and paper.softmax_saves_input
+    assert _saved_scores(paper, "cuda") == {torch.float32: 2 * layers, torch.bool: layers}
+    today = build("bert-large", batch_size=2, precision="fp16", attention="eager", **TINY_BERT)
+    assert not today.extended_mask and not today.softmax_saves_input
+    cuda = _saved_scores(today, "cuda")
+    assert cuda[torch.float32] == layers and cuda[torch.bool] == layers
+    assert torch.bool not in _saved_scores(today, "cpu")  # the CPU's dropout keeps its noise, not a mask
