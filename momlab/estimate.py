@@ -19,7 +19,9 @@ that materializes the attention probabilities and dropout mask. For a GPU the
 trace runs sdpa as CUDA does, through that kernel's own meta implementation
 (`_cuda_sdpa`); with eager attention (``attention="eager"``, the paper's
 setup) the model's own matmul-softmax-dropout-matmul runs and saves what it
-saves on any device. Mixed precision follows CUDA's autocast op lists, not the
+saves on any device, but for its dropout, which runs as CUDA's does
+(`_cuda_dropout`: one kernel keeping a bool mask, where the CPU's draws and
+keeps a float noise tensor of 2 or 4 bytes a value). Mixed precision follows CUDA's autocast op lists, not the
 CPU's (`_CUDA_AUTOCAST`, from torch's documented "CUDA Ops that can autocast
 to float32 / float16"): softmax, log-softmax, layer norm, pow, exp, sums and
 the losses run in fp32 on CUDA where the CPU lists keep bf16/fp16. Each

@@ -30,6 +30,9 @@ computed in fp32 (where transformers' GPT-2 uses the tanh approximation);
 checkpointing is torch 1.x's reentrant checkpoint for BERT, Swin and GPT (`Stack.checkpoint`) and a MOM's
 saved-tensor hooks stay on through backward, as GACT's controller installed them once for the whole run
 (`Stack.hooks`), so quant4+ckpt quantizes what the recomputation saves and swap+ckpt swaps it;
+softmax and log-softmax keep their input for backward beside their output, as torch 1.10's autograd did
+(`momlab.legacy`, `Stack.softmax_saves_input`), and BERT adds its attention mask to the scores in fp32
+whatever it holds, as transformers 4.x did (`Stack.extended_mask`), so its scores enter the softmax in fp32;
 and gradients are zeroed in place rather than freed, as
 ``zero_grad()`` did before torch 2.0, so they stay allocated through the next
 forward; Swin's training script wraps the model in DistributedDataParallel even
