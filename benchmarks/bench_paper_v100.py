@@ -5,11 +5,13 @@ there) and the time model calibrated on the paper's *Exact* runs only
 (momlab.timemodel); the MOM rows and the depth study are what it is checked
 against. Prints the calibration (its parameters and per-model residuals), the
 S1 ratio table with the error per row (rows whose paper MOM is another
-system marked), the sets of MOMs that beat Exact, and the depth at which
-Checkpoint overtakes Exact for BERT, the paper's and predicted: over the batch
-sizes the paper ran at each depth (what it measured: its depth study stepped
-coarsely) and over every batch; and the GPU utilization the paper sampled
-against the predicted share of each step the GPU runs kernels
+system marked), the sets of MOMs that beat Exact, each also at the batch
+sizes the paper ran that fit (the paper's memory, momlab's speed: the time
+model's error apart from the predicted maximum batch's), and the depth at
+which Checkpoint overtakes Exact for BERT, the paper's and predicted: over the
+batch sizes the paper ran at each depth (what it measured: its depth study
+stepped coarsely) and over every batch; and the GPU utilization the paper
+sampled against the predicted share of each step the GPU runs kernels
 (`validation.utilization_table`): where a step's time goes, host or GPU.
 
 Targets (issue 14): |ratio error| <= 0.15 on every comparable row; the same
@@ -50,7 +52,8 @@ def main() -> int:
     print()
     for r in out["verdicts"].itertuples(index=False):
         print(f"  {r.model:16s} beat Exact: paper {r.paper_beat or '-'}, predicted {r.pred_beat or '-'}"
-              f"{'' if r.same else '   <- differs'}")
+              f"{'' if r.same else '   <- differs'}; at the paper's batches {r.pred_beat_paper_batches or '-'}"
+              f"{'' if r.same_paper_batches else '   <- differs'}")
     util = validation.utilization_summary(validation.utilization_table(args.models, results=[]))
     print("\nGPU utilization (nvidia-smi's share of the loop a kernel runs), the paper's runs against the "
           "prediction\n(medians over each sweep; nothing fitted to it):")

@@ -382,6 +382,40 @@ def test_depth_curves_predict_the_paper_s_maximum_over_the_batches_it_ran(monkey
     assert d[d["num_layers"] == 70]["pred_throughput_paper_batches"].notna().all()
 
 
+def test_s1_ratios_at_the_paper_s_batches_take_its_memory_and_momlab_s_speed(monkeypatch):
+    """Like for like, the S1 check keeps the paper's memory (the batch sizes it ran that fit) and predicts only
+    the speed at them, whatever maximum batch momlab predicts: here every MOM is predicted to fit batch 8 only,
+    and the step costs 10 ms + 5 ms a sample (exact) or 6 ms a sample (the others), so each like-for-like best
+    is the largest batch the paper timed."""
+    from momlab import reference, validation
+
+    per_sample = lambda mom: 0.005 if mom == "exact" else 0.006  # noqa: E731
+    monkeypatch.setattr(validation, "predict_max_batch", lambda *a, **k: 8)
+    monkeypatch.setattr(validation, "best_throughput", lambda model, mom, **k: SimpleNamespace(
+        batch_size=8, throughput=8 / (0.01 + per_sample(mom) * 8)))
+    monkeypatch.setattr(validation, "profile", lambda *a, **k: SimpleNamespace(aligned=True))
+    monkeypatch.setattr(validation, "throughput_curve", lambda model, mom, *, batch_sizes, **k: [
+        SimpleNamespace(batch_size=b, step_time_s=0.01 + per_sample(mom) * b) for b in batch_sizes])
+    t = validation.s1_table(["bert-large"]).set_index("mom")
+    runs = reference.paper_s1_runs()
+    ran = runs[(runs["model"] == "bert-large") & runs["fits"] & runs["throughput"].notna()]
+    want = {}
+    for mom in t.index:
+        largest = int(ran.loc[ran["mom"] == mom, "batch_size"].max())
+        assert t.loc[mom, "pred_best_paper_batch"] == largest
+        want[mom] = largest / (0.01 + per_sample(mom) * largest)
+        assert t.loc[mom, "pred_throughput_paper_batches"] == pytest.approx(want[mom])
+        assert t.loc[mom, "pred_max_batch"] == 8
+    assert t.loc["exact", "pred_best_paper_batch"] == 44 and t.loc["ckpt", "pred_best_paper_batch"] == 400
+    assert t.loc["ckpt", "pred_ratio_paper_batches"] == pytest.approx(want["ckpt"] / want["exact"])
+    assert t.loc["ckpt", "ratio_error_paper_batches"] == pytest.approx(
+        want["ckpt"] / want["exact"] - t.loc["ckpt", "paper_ratio"])
+    assert t.loc["ckpt", "pred_ratio"] == pytest.approx(0.05 / 0.058)  # at batch 8 each: another number
+    v = validation.verdicts(t.reset_index()).iloc[0]
+    assert v.pred_beat_paper_batches == [] and v.same_paper_batches
+    assert "at the paper's batches" in validation.ratio_text(t.reset_index())
+
+
 def test_predicted_vs_paper_draws_points_and_lines():
     import pandas as pd
 
