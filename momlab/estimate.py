@@ -83,7 +83,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from momlab import allocator, catalog
+from momlab import allocator, catalog, legacy
 from momlab.gpus import Gpu
 from momlab.gpus import get as get_gpu
 from momlab.accounting import StorageTracker, unique_storage_bytes
@@ -322,8 +322,9 @@ def _register_cuda_autocast(lib) -> None:
 
 @contextmanager
 def _kernels(kernels: str, tracer=None):
-    """While tracing for a GPU, `scaled_dot_product_attention` runs CUDA's kernel (`_cuda_sdpa`) and ``dropout``
-    CUDA's (`_cuda_dropout`).
+    """While tracing for a GPU, `scaled_dot_product_attention` runs CUDA's kernel (`_cuda_sdpa`), ``dropout``
+    CUDA's (`_cuda_dropout`), and the paper stack's softmax (`momlab.legacy`) CUDA's half-to-float kernel for a
+    half input with dtype float (`legacy.HALF_TO_FLOAT`: the fake tensors sit on the CPU, which has none).
 
     The CPU kernel choice is not an op a dispatch mode sees, and a torch
     function mode around sdpa is not active while backward recomputes a
@@ -338,7 +339,7 @@ def _kernels(kernels: str, tracer=None):
     if kernels != "cuda":
         yield
         return
-    _quant.FOLD = True
+    _quant.FOLD = legacy.HALF_TO_FLOAT = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "overriding a previously registered kernel": on purpose
         lib = torch.library.Library("aten", "IMPL")
@@ -352,7 +353,7 @@ def _kernels(kernels: str, tracer=None):
     finally:
         _quant.TRACE_KERNEL = _quant.TRACE_CALL = None
         lib._destroy()
-        _quant.FOLD = False
+        _quant.FOLD = legacy.HALF_TO_FLOAT = False
 
 
 # number formats of an op's compute, as indices into a device's peak FLOP/s (see _peaks)

@@ -17,7 +17,14 @@ autocast, which has cast the input by then; also seen while backward reruns
 a checkpointed block) with a function that saves both tensors. Values and
 gradients are today's; only what is kept differs. A ``dtype`` of float for a
 half input is CUDA's half-to-float kernel, which reads (and here keeps) the
-half input.
+half input: on CUDA, and in a trace for a CUDA target (`HALF_TO_FLOAT`, set
+by `momlab.estimate`), the composite calls it directly, as torch's own does
+for a CUDA tensor (aten/src/ATen/native/SoftMax.cpp, ``input_.is_cuda()``),
+with no fp32 copy of the input in forward and no fp32 gradient of it in
+backward; on the CPU, which has no such kernel, the input is converted first.
+A half model's loss, ``log_softmax(logits, dtype=float32)``, is the case
+(fairseq's GPT: one such copy is 4 bytes per logit, 103 MB a sample at 512
+tokens and 50257 words).
 """
 
 from __future__ import annotations
@@ -26,8 +33,19 @@ import warnings
 from contextlib import contextmanager
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 aten = torch.ops.aten
+
+# True while tracing for a CUDA target (`momlab.estimate._kernels`): its fake tensors sit on the CPU
+HALF_TO_FLOAT = False
+
+
+def _half_to_float(x: torch.Tensor, dtype) -> bool:
+    """Whether CUDA's softmax kernel reads the half `x` and writes float (torch's composite: a CUDA half input
+    with dtype float), or a CUDA trace's fake `x` stands for one (a real CPU tensor has no such kernel)."""
+    return (x.dtype == torch.half and dtype == torch.float32
+            and (x.is_cuda or (HALF_TO_FLOAT and is_fake(x))))
 
 
 class _SavesInput(torch.autograd.Function):
@@ -35,8 +53,9 @@ class _SavesInput(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, dtype, log):
-        ctx.dim, ctx.log = dim, log
-        y = (aten._log_softmax if log else aten._softmax)(x.to(dtype), dim, False)
+        ctx.dim, ctx.log, ctx.fused = dim, log, _half_to_float(x, dtype)
+        fn = aten._log_softmax if log else aten._softmax
+        y = fn(x, dim, True) if ctx.fused else fn(x.to(dtype), dim, False)
         ctx.save_for_backward(x, y)
         return y
 
@@ -44,6 +63,8 @@ class _SavesInput(torch.autograd.Function):
     def backward(ctx, grad):
         x, y = ctx.saved_tensors
         back = aten._log_softmax_backward_data if ctx.log else aten._softmax_backward_data
+        if ctx.fused:  # CUDA's half-to-float backward: writes the half gradient itself
+            return back(grad, y, ctx.dim, x.dtype), None, None, None
         return back(grad, y, ctx.dim, y.dtype).to(x.dtype), None, None, None
 
 
@@ -51,6 +72,8 @@ def _make(log: bool):
     def run(x, dim, dtype=None):
         if not (torch.is_grad_enabled() and x.requires_grad):
             fn = aten._log_softmax if log else aten._softmax
+            if _half_to_float(x, dtype):
+                return fn(x, dim, True)
             return fn(x if dtype is None else x.to(dtype), dim, False)
         return _SavesInput.apply(x, dim, x.dtype if dtype is None else dtype, log)
     return run

@@ -490,6 +490,42 @@ def test_softmax_saves_its_input_as_torch_1_10_did():
     assert h.grad.dtype == torch.float16
 
 
+def test_a_cuda_trace_reads_a_half_input_into_float_in_one_kernel(monkeypatch):
+    """For a CUDA target, a half input's softmax with dtype float is CUDA's half-to-float kernel, forward and
+    backward (torch's composite on a CUDA tensor): no fp32 copy of the input (a half model's loss: 4 bytes a
+    logit, 103 MB a sample for GPT at 512 tokens); the CPU, which has no such kernel, converts it first."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from momlab import legacy
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.made = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                self.made.append((func.overloadpacket.__name__, out.dtype))
+            return out
+
+    def run(cuda: bool):
+        monkeypatch.setattr(legacy, "HALF_TO_FLOAT", cuda)
+        with FakeTensorMode(), legacy.softmax_saves_input():
+            h = torch.randn(4, 50, dtype=torch.float16, requires_grad=True)
+            with Ops() as ops:
+                y = torch.log_softmax(h, -1, dtype=torch.float32)
+                (g,) = torch.autograd.grad(y.sum(), h)
+        assert y.dtype == torch.float32 and g.dtype == torch.float16 and g.shape == h.shape
+        return ops.made
+
+    cuda, cpu = run(True), run(False)
+    assert ("_log_softmax", torch.float32) in cuda and ("_log_softmax_backward_data", torch.float16) in cuda
+    assert not any(name == "_to_copy" for name, _ in cuda)
+    assert ("_to_copy", torch.float32) in cpu and ("_to_copy", torch.float16) in cpu  # input up, gradient down
+
+
 def test_the_papers_bert_keeps_fp32_scores_its_dropout_a_bool_mask():
     """A CUDA trace of the paper's BERT keeps per layer what its 2022 step did: the scores entering the softmax
     in fp32 (transformers 4.x's extended mask is fp32 under autocast; torch 1.10 saved the input) and its output,
