@@ -48,14 +48,21 @@ def _half_to_float(x: torch.Tensor, dtype) -> bool:
             and (x.is_cuda or (HALF_TO_FLOAT and is_fake(x))))
 
 
+def _forward(x: torch.Tensor, dim: int, dtype, log: bool) -> torch.Tensor:
+    """torch's composite softmax / log_softmax of `x` over `dim` in `dtype` (None: `x`'s)."""
+    fn = aten._log_softmax if log else aten._softmax
+    if _half_to_float(x, dtype):
+        return fn(x, dim, True)
+    return fn(x if dtype is None else x.to(dtype), dim, False)
+
+
 class _SavesInput(torch.autograd.Function):
     """softmax / log_softmax over `dim` of `x` (computed in `dtype`), saving `x` and the result."""
 
     @staticmethod
     def forward(ctx, x, dim, dtype, log):
         ctx.dim, ctx.log, ctx.fused = dim, log, _half_to_float(x, dtype)
-        fn = aten._log_softmax if log else aten._softmax
-        y = fn(x, dim, True) if ctx.fused else fn(x.to(dtype), dim, False)
+        y = _forward(x, dim, dtype, log)
         ctx.save_for_backward(x, y)
         return y
 
@@ -71,10 +78,7 @@ class _SavesInput(torch.autograd.Function):
 def _make(log: bool):
     def run(x, dim, dtype=None):
         if not (torch.is_grad_enabled() and x.requires_grad):
-            fn = aten._log_softmax if log else aten._softmax
-            if _half_to_float(x, dtype):
-                return fn(x, dim, True)
-            return fn(x if dtype is None else x.to(dtype), dim, False)
+            return _forward(x, dim, dtype, log)
         return _SavesInput.apply(x, dim, x.dtype if dtype is None else dtype, log)
     return run
 

@@ -140,13 +140,21 @@ def s1_table(models=None, *, gpu: str = GPU, results=None) -> pd.DataFrame:
     return t
 
 
+def _at_batches(model: str, mom: str, batches: list[int], gpu: str, results) -> list | None:
+    """The paper stack's predicted steps of `model` at `batches`, fitting or not; None where the traces do not
+    align (each batch would then be a trace of its own)."""
+    prec = reference.PRECISION[model]
+    if not profile(model, mom, precision=prec, setup=SETUP).aligned:
+        return None
+    return throughput_curve(model, mom, gpu=gpu, batch_sizes=batches, precision=prec, results=results, setup=SETUP)
+
+
 def _best_of(model: str, mom: str, batches: list[int], gpu: str, results) -> tuple[int, float]:
     """The predicted best (batch, samples/s) of `batches`, fitting or not; (0, NaN) where there are none or the
-    traces do not align (each batch would then be a trace of its own)."""
-    prec = reference.PRECISION[model]
-    if not batches or not profile(model, mom, precision=prec, setup=SETUP).aligned:
+    traces do not align."""
+    est = _at_batches(model, mom, batches, gpu, results) if batches else None
+    if not est:
         return 0, math.nan
-    est = throughput_curve(model, mom, gpu=gpu, batch_sizes=batches, precision=prec, results=results, setup=SETUP)
     b, tp = max(((e.batch_size, e.batch_size / e.step_time_s) for e in est), key=lambda x: x[1])
     return int(b), float(tp)
 
@@ -183,15 +191,11 @@ def curves(model: str, *, gpu: str = GPU, results=None) -> pd.DataFrame:
     """
     runs = reference.paper_s1_runs()
     runs = runs[(runs["model"] == model) & runs["mom"].isin(list(PAPER_MOMS))]
-    prec = reference.PRECISION[model]
     rows = []
     for mom, g in runs.groupby("mom", sort=False):
-        batches = sorted({int(b) for b in g["batch_size"]})
-        prof = profile(model, PAPER_MOMS[mom], precision=prec, setup=SETUP)
-        if not prof.aligned:  # each batch would be a trace of its own (see s1_table)
+        est = _at_batches(model, PAPER_MOMS[mom], sorted({int(b) for b in g["batch_size"]}), gpu, results)
+        if est is None:
             continue
-        est = throughput_curve(model, PAPER_MOMS[mom], gpu=gpu, batch_sizes=batches, precision=prec,
-                               results=results, setup=SETUP)
         measured = g.groupby("batch_size")["throughput"].max()
         for e in est:
             rows.append({"model": model, "mom": mom, "batch_size": e.batch_size,
