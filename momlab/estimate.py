@@ -448,6 +448,7 @@ class _Tracer(StorageTracker):
         self.log = None
         self.events = None  # a list: every device allocation and free, in order (`allocation_events`)
         self.group = -1  # the fused kernel being traced (`kernel`); -1: none
+        self._update_entries = None  # the log of the first update logged, to replay (`update`)
         if kernels == "cuda":
             self.granule = ALLOCATOR_BLOCK
 
@@ -517,21 +518,32 @@ class _Tracer(StorageTracker):
         pads = [0 if self.granule == 1 else -(-n // self.granule) * self.granule - n for n in nbytes]
         if (len(keys) == len(results) and not keys & before and all(t.device.type in self.devices for t in results)
                 and self.device_bytes - live0 == sum(nbytes) and self.padding_bytes - pad0 == sum(pads)):
-            _REPLAYS[key] = (spec, [log[k][n0:] for k in self._COLUMNS], [v - live0 for v in log["live"][n0 + 1:]],
-                             [v - pad0 for v in log["pad"][n0 + 1:]],
-                             [g - g0 if g >= 0 else g for g in log["group"][n0:]], log["group_bytes"][g0:])
+            _REPLAYS[key] = (spec, *self._recorded(n0, g0, live0, pad0))
         return out
 
     def _replayed(self, rec):
-        spec, columns, live, pad, groups, group_bytes = rec
+        spec, *entries = rec
         log, live0, pad0 = self.log, self.device_bytes, self.padding_bytes
         self.log = None  # the results are allocated on the books, not logged as ops
         try:
             out = _from_spec(spec)
         finally:
             self.log = log
-        if log is None:
-            return out
+        if log is not None:
+            self._extend(entries, live0, pad0)
+        return out
+
+    def _recorded(self, n0: int, g0: int, live0: int, pad0: int) -> list:
+        """The log's entries from op `n0` and kernel group `g0` on, live and padding bytes relative to `live0` and
+        `pad0`, groups renumbered from 0 (`_extend` appends them again)."""
+        log = self.log
+        return [[log[k][n0:] for k in self._COLUMNS], [v - live0 for v in log["live"][n0 + 1:]],
+                [v - pad0 for v in log["pad"][n0 + 1:]], [g - g0 if g >= 0 else g for g in log["group"][n0:]],
+                log["group_bytes"][g0:]]
+
+    def _extend(self, entries, live0: int, pad0: int) -> None:
+        columns, live, pad, groups, group_bytes = entries
+        log = self.log
         g0 = len(log["group_bytes"])
         for k, values in zip(self._COLUMNS, columns):
             log[k].extend(values)
@@ -539,7 +551,27 @@ class _Tracer(StorageTracker):
         log["pad"].extend(pad0 + d for d in pad)
         log["group"].extend(g + g0 if g >= 0 else g for g in groups)
         log["group_bytes"].extend(group_bytes)
-        return out
+
+    def update(self, fn) -> None:
+        """`fn()` (the optimizer's update, `Workload.update_hook`), or a replay of the first update this tracer
+        logged: no tensor an update touches depends on the batch size, so its ops, traffic and memory are the
+        same at every batch, and its writes, in place into tensors without data, change nothing a later op
+        reads. Recorded only where it leaves the books as it found them (no storage made or freed, the same
+        device, padding and host bytes: the optimizer's state exists from the warm-up, `Workload.prime`), and
+        never while allocation events are kept (the allocator replay needs every temporary). An update is a
+        quarter of a traced bert-large step's time (single-tensor AdamW: about ten ops a parameter)."""
+        log = self.log
+        if log is None or self.events is not None or self.group >= 0:
+            return fn()
+        live0, pad0 = self.device_bytes, self.padding_bytes
+        if self._update_entries is not None:
+            return self._extend(self._update_entries, live0, pad0)
+        n0, g0 = len(log["flops"]), len(log["group_bytes"])
+        host0, before = self.host_bytes, set(self._live)
+        fn()
+        if (self.device_bytes == live0 and self.padding_bytes == pad0 and self.host_bytes == host0
+                and set(self._live) == before):
+            self._update_entries = self._recorded(n0, g0, live0, pad0)
 
     def kernel(self, fn, *args):
         """Run `fn` (a function of tensors a GPU runs as one compiled kernel: quant's encode and decode) and
@@ -698,6 +730,7 @@ class _Session:
                 self.w.scaler = _FiniteScaler(self.w.scaler)
             self.tracer = _Tracer(fake_mode, kernels)
             self.tracer.events = events
+            self.w.update_hook = self.tracer.update
             # as measure: weights on the books, then what a warm-up step leaves (the optimizer state). Where the
             # allocation events are kept, the warm-up is a step, whose allocations the caching allocator's
             # replay starts from; elsewhere `Workload.prime` makes the same state without running the model
@@ -711,6 +744,24 @@ class _Session:
                         events.append(("cublas-workspace", workspace))
                     self.w.step()
         self.build_seconds = time.perf_counter() - t0
+
+    def quantized_sizes(self, batch_size: int) -> list[int]:
+        """The value count of each tensor a step at `batch_size` quantizes, forward and backward (a reentrant
+        checkpoint's recomputation packs too, `Stack.hooks`): a step not logged, whose packs only count
+        (`quant.TRACE_SIZES`) and whose optimizer update is skipped (its zeroing of the gradients runs), in
+        about half a traced step's time."""
+        with _LOCK:
+            self.w.batch_size = batch_size
+            gc.collect()
+            sizes = _quant.TRACE_SIZES = []
+            update, self.w.update_hook = self.w.update_hook, lambda fn: None
+            try:
+                with _kernels(self.kernels, self.tracer), self.tracer:
+                    self.w.step()
+            finally:
+                _quant.TRACE_SIZES = None
+                self.w.update_hook = update
+        return sizes
 
     def probe(self, batch_size: int) -> Probe:
         t0 = time.perf_counter()
@@ -911,21 +962,14 @@ def _profile(model, mom, precision, size, kernels, st, pair: tuple[int, int] | N
                     return prof
             session = None
             if probes is None:
-                start = _first_batch(mom)
                 session = _Session(model, mom, precision, size, kernels, attention=st.attention, setup=st.setup)
                 probes = [session.probe(b) for b in pair] if pair is not None else []
                 if not (probes and _aligned(*probes)):
-                    sizes = _quant.TRACE_SIZES = []
-                    try:
-                        probes = [session.probe(start)]
-                    finally:
-                        _quant.TRACE_SIZES = None
-                    rest = TRACE_BATCHES[TRACE_BATCHES.index(start) + 1:]
-                    jump = _folds_alike(sizes, start, rest)
-                    if jump is not None:  # skip batches whose traces cannot align with the next one's
-                        probes.append(session.probe(jump))
-                        rest = rest[rest.index(jump) + 1:]
-                    for b in rest:
+                    batches = TRACE_BATCHES[TRACE_BATCHES.index(_first_batch(mom)):]
+                    if _quantizes(mom):  # skip batches whose traces cannot align with the next one's
+                        batches = _folding_alike(session.quantized_sizes(batches[0]), batches)
+                    probes = [session.probe(batches[0])]
+                    for b in batches[1:]:
                         probes.append(session.probe(b))
                         if _aligned(probes[-2], probes[-1]):
                             break
@@ -938,29 +982,36 @@ def _profile(model, mom, precision, size, kernels, st, pair: tuple[int, int] | N
     return prof
 
 
-def _folds_alike(sizes: list, batch: int, later) -> int | None:
-    """The first of `later` (doubling batch sizes) whose trace and the next one's quantize alike, or None to try
-    them in order: `sizes` are the value counts quantized in a trace at `batch`, taken to grow with the batch;
-    two traces align only where no tensor's chunk loop folds in one and not the other (`quant.CHUNK`; at real
-    size BERT-L's 262K- and 131K-value tensors a sample cross it between 4 and 8 and between 8 and 16, so from a
-    trace at 4 the search goes on at 16). Constant tensors taken to grow only make the answer later, never wrong:
-    the traces' alignment is still checked."""
+def _folding_alike(sizes: list[int], batches: tuple) -> tuple:
+    """`batches` (doubling batch sizes) from the first whose trace and the next one's quantize alike, or all of
+    them where none does: `sizes` are the value counts quantized in a step at ``batches[0]``, taken to grow with
+    the batch; two traces align only where no tensor's chunk loop folds in one and not the other (`quant.CHUNK`;
+    at real size BERT-L's 262K- and 131K-value tensors a sample cross it between 4 and 8 and between 8 and 16,
+    so the search starts at 16). Constant tensors taken to grow only make the answer later, never wrong: the
+    traces' alignment is still checked."""
     counts = set(sizes)
 
-    def alike(b: int) -> bool:
-        return all((n * b / batch > _quant.CHUNK) == (n * 2 * b / batch > _quant.CHUNK) for n in counts)
+    def folded(n: int, b: int) -> bool:
+        return n * b / batches[0] > _quant.CHUNK
 
-    if not counts or alike(batch):
-        return None
-    return next((b for b in list(later)[:-1] if alike(b)), None)
+    for i in range(len(batches) - 1):
+        if all(folded(n, batches[i]) == folded(n, batches[i + 1]) for n in counts):
+            return batches[i:]
+    return batches
+
+
+def _quantizes(mom) -> bool:
+    return any(p.startswith("quant") for p in parse_mom(mom).parts)
 
 
 def _first_batch(mom) -> int:
     """The batch a profile's search for two aligned traces starts at: TRACE_BATCHES[1] where the MOM quantizes.
-    At real size its traces at 2 and 4 seldom align: a tensor of 256K to 512K values a sample (BERT-L's MLP at
-    128 tokens) is packed in one pass at 2 and in folded chunks at 4 (`quant.CHUNK`), and the trace at 2 would
-    be spent. A smaller batch is then traced when asked for, as any batch below the aligned pair."""
-    return TRACE_BATCHES[1] if any(p.startswith("quant") for p in parse_mom(mom).parts) else TRACE_BATCHES[0]
+    Its traces at 2 and 4 seldom align: at real size a tensor of 256K to 512K values a sample (BERT-L's MLP at
+    128 tokens) is packed in one pass at 2 and in folded chunks at 4 (`quant.CHUNK`), and at tiny size tensors
+    under `quant.MIN_NUMEL` values at 2 are kept as they are and packed at 4. A smaller batch is then traced
+    when asked for, as any batch below the aligned pair. From there `_folding_alike` skips on to the first
+    batch whose trace can align with the next one's."""
+    return TRACE_BATCHES[1] if _quantizes(mom) else TRACE_BATCHES[0]
 
 
 @contextmanager
@@ -968,16 +1019,23 @@ def _old_objects_frozen():
     """Within, the garbage collector skips every object older than the entry (`gc.freeze`): the collection
     before each traced step (`_Session.probe`), which must free the last step's cycles, then scans only what
     tracing made, not the whole process (0.13 s a full collection with transformers imported, four or more a
-    profile). Unfrozen on exit. A nested entry, or a process that froze objects itself, finds objects frozen
-    already and leaves the freeze as it is."""
-    outer = gc.get_freeze_count() == 0
+    profile). Unfrozen on exit. A nested entry (a deep stack's profile makes two shallow ones), or a process that
+    froze objects itself, leaves the freeze as it is. Entered under `_LOCK`: one thread at a time."""
+    global _FREEZES
+    # gc.get_freeze_count() walks the frozen objects (30 ms with transformers imported): asked only outside
+    outer = _FREEZES == 0 and gc.get_freeze_count() == 0
     if outer:
         gc.freeze()
+    _FREEZES += 1
     try:
         yield
     finally:
+        _FREEZES -= 1
         if outer:
             gc.unfreeze()
+
+
+_FREEZES = 0  # entries of `_old_objects_frozen` open
 
 
 # -- depth: a stack of identical blocks, traced shallow ---------------------------------------
@@ -1127,7 +1185,7 @@ def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
     if not first.aligned:
         return None
     # one block deeper, the same tensors are quantized in the same chunks: try the batches that aligned first
-    # (quant4's traces align from 4 to 16 at real size: the search from `_first_batch` is saved)
+    # (quant4's traces align from 16 at real size: the sizing pass of the search is saved, `quantized_sizes`)
     shallow = [first, _profile(model, mom, precision, {**size, "num_layers": base + 1}, kernels, st,
                                pair=(first.lo.batch_size, first.hi.batch_size))]
     if not shallow[1].aligned:

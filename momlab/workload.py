@@ -203,6 +203,9 @@ class Workload:
     hooks: str = "forward"  # the MOM's saved-tensor hooks cover the forward, or the whole "step" (`Stack.hooks`)
     softmax_saves_input: bool = False  # torch < 1.11's softmax autograd (`Stack.softmax_saves_input`)
     extended_mask: bool = False  # transformers 4.x's additive fp32 attention mask (`Stack.extended_mask`)
+    # runs the optimizer's update (the optimizer and loss-scaler steps) as update_hook(fn); None: fn(). A trace
+    # replays a recorded update there (`momlab.estimate._Tracer.update`)
+    update_hook: Callable | None = None
 
     @contextmanager
     def _own_rng(self):
@@ -254,12 +257,18 @@ class Workload:
             self.buckets = [torch.empty(n, dtype=dt, device=self.device) for dt, n in sizes.items()]
 
     def _update(self) -> None:
+        if self.update_hook is None:
+            self._optimizer_step()
+        else:
+            self.update_hook(self._optimizer_step)
+        self.optimizer.zero_grad(set_to_none=self.grads_to_none)
+
+    def _optimizer_step(self) -> None:
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=self.grads_to_none)
 
     def _step(self, batch, on_forward_end, on_backward_end) -> float:
         self._make_buckets()

@@ -302,25 +302,27 @@ def test_below_its_aligned_batches_an_unrolled_stack_is_unrolled_too(monkeypatch
         assert _same_step(step, full.at(b)), b
 
 
-def test_the_first_trace_s_quantized_sizes_pick_the_batches_that_can_align():
+def test_the_quantized_sizes_pick_the_batches_that_can_align():
     """Two traces of a quantizing MOM align only where no tensor's chunk loop folds in one and not the other
     (more than `quant.CHUNK` values): BERT-L at 128 tokens saves 131K-, 262K- and 524K-value tensors a sample,
-    which cross it between 4 and 8 and between 8 and 16, so from a trace at 4 the search goes on at 16."""
-    from momlab.estimate import _folds_alike
+    which cross it between 4 and 8 and between 8 and 16, so from sizes at 4 the search starts at 16."""
+    from momlab.estimate import _folding_alike
     from momlab.moms import quant
 
-    later = TRACE_BATCHES[2:]  # after 4
+    batches = TRACE_BATCHES[1:]  # from 4
     per_sample = [131072, 262144, 524288]
-    assert _folds_alike([n * 4 for n in per_sample], 4, later) == 16
-    assert _folds_alike([n * 4 for n in per_sample[::2]], 4, later) is None  # 4 and 8 align: nothing to skip
-    assert _folds_alike([], 4, later) is None  # nothing quantized
-    assert _folds_alike([quant.CHUNK], 4, later) == 8  # exactly one chunk at 4: folded from 8 on
-    assert _folds_alike([3], 4, later) is None  # never folds: every pair aligns
+    assert _folding_alike([n * 4 for n in per_sample], batches) == TRACE_BATCHES[3:]
+    assert _folding_alike([n * 4 for n in per_sample[::2]], batches) == batches  # 4 and 8 align: nothing to skip
+    assert _folding_alike([], batches) == batches  # nothing quantized
+    assert _folding_alike([quant.CHUNK], batches) == TRACE_BATCHES[2:]  # exactly one chunk at 4: folded from 8 on
+    assert _folding_alike([3], batches) == batches  # never folds: every pair aligns
+    # one count crossing between each pair: none aligns, so the search tries them all in order
+    assert _folding_alike([quant.CHUNK * 4 // b for b in batches], batches) == batches
 
 
 def test_a_quantizing_search_skips_traces_that_cannot_align_and_keeps_the_step(monkeypatch):
-    """The search for two aligned traces skips the batches the first trace's sizes rule out (one trace fewer
-    here) and ends at the pair, and the steps, the plain doubling search finds."""
+    """The search for two aligned traces skips the batches a forward's quantized sizes rule out (two traces fewer
+    here: none at 4 or 8) and ends at the pair, and the steps, the plain doubling search finds."""
     import momlab.estimate as E
 
     # hidden states of 1024 values a sample and attention probabilities of 512 then cross it between 4 and 8 and
@@ -336,13 +338,13 @@ def test_a_quantizing_search_skips_traces_that_cannot_align_and_keeps_the_step(m
         clear_cache()
         with monkeypatch.context() as m:
             if not skip:
-                m.setattr(E, "_folds_alike", lambda sizes, batch, later: None)
+                m.setattr(E, "_folding_alike", lambda sizes, batches: batches)
             p = profile("bert-base", "quant4", setup="paper", precision="fp16", **size)
         return p, list(probed)
 
     skipping, skipped = search(True)
     plain, every = search(False)
-    assert every == [4, 8, 16, 32] and skipped == [4, 16, 32]  # the trace at 8 could not align with 16
+    assert every == [4, 8, 16, 32] and skipped == [16, 32]  # the traces at 4 and 8 could not align with the next
     assert skipping.aligned and (skipping.lo.batch_size, skipping.hi.batch_size) == (16, 32)
     assert _same_step(skipping.lo, plain.lo) and _same_step(skipping.hi, plain.hi)
     assert _same_step(skipping.at(8), plain.at(8))  # a batch below the pair: traced when asked, the same
@@ -367,6 +369,30 @@ def test_replayed_quantization_is_the_traced_step(mom, setup, precision, monkeyp
     for a, b in ((replayed.lo, plain.lo), (replayed.hi, plain.hi)):
         assert _same_step(a, b) and np.array_equal(a.group, b.group) and np.array_equal(a.group_bytes, b.group_bytes)
         assert np.array_equal(a.fmt, b.fmt) and np.array_equal(a.extra_flops, b.extra_flops)
+
+
+@pytest.mark.parametrize("model,mom,setup,precision", [
+    ("bert-base", "exact", "paper", "fp16"), ("gpt2", "ckpt", "paper", "fp16"), ("resnet50", "quant4", "default", "fp32"),
+])
+def test_a_replayed_optimizer_update_is_the_traced_one(model, mom, setup, precision, monkeypatch):
+    """A session's later traced steps replay the optimizer's update it logged first (AdamW, the GradScaler, GPT's
+    fp32 master weights): the step is op for op, byte for byte what running the update again gives."""
+    import momlab.estimate as E
+
+    size = catalog.tiny(model)
+    clear_cache()
+    calls = []
+    update = E._Tracer.update
+    monkeypatch.setattr(E._Tracer, "update", lambda self, fn: calls.append(self._update_entries is not None)
+                        or update(self, fn))
+    replayed = profile(model, mom, setup=setup, precision=precision, **size)
+    assert calls.count(True) >= 1  # the later trace replayed its update
+    clear_cache()
+    monkeypatch.setattr(E._Tracer, "update", lambda self, fn: fn())
+    plain = profile(model, mom, setup=setup, precision=precision, **size)
+    for a, b in ((replayed.lo, plain.lo), (replayed.hi, plain.hi)):
+        assert _same_step(a, b) and np.array_equal(a.fmt, b.fmt) and np.array_equal(a.padding, b.padding)
+        assert a.optimizer_bytes == b.optimizer_bytes and a.grads_bytes == b.grads_bytes
 
 
 def test_tracing_leaves_the_garbage_collector_as_it_found_it(monkeypatch):

@@ -162,9 +162,9 @@ def _kernel(fn):
 # call's ops depend on. None: run fn(arg).
 TRACE_CALL = None
 
-# ... and this, to a list, while a trace's first batch runs: the value count of each tensor `pack` quantizes (a
-# chunk loop that folds, see `FOLD`), from which the tracer picks two batch sizes whose traces align (no tensor
-# crosses `CHUNK` between them). None: nothing recorded.
+# ... and this, to a list, while a trace's sizing step runs: `pack` appends the value count of each tensor it
+# would quantize (a chunk loop that folds, see `FOLD`) and keeps the tensor as it is, from which the tracer
+# picks two batch sizes whose traces align (no tensor crosses `CHUNK` between them). None: pack packs.
 TRACE_SIZES = None
 
 
@@ -280,8 +280,10 @@ class Quantizer:
 
     def pack(self, x: torch.Tensor):
         sizes = TRACE_SIZES
-        if sizes is not None and x.is_floating_point() and not self._kept_exact(x):
-            sizes.append(x.numel())
+        if sizes is not None:
+            if x.is_floating_point() and not self._kept_exact(x):
+                sizes.append(x.numel())
+            return x
         hook = TRACE_CALL
         if hook is None:
             return self._pack(x)
