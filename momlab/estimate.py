@@ -750,18 +750,25 @@ class _Session:
         checkpoint's recomputation packs too, `Stack.hooks`): a step not logged, whose packs only count
         (`quant.TRACE_SIZES`) and whose optimizer update is skipped (its zeroing of the gradients runs), in
         about half a traced step's time."""
+        sizes = _quant.TRACE_SIZES = []
+        update, self.w.update_hook = self.w.update_hook, lambda fn: None
+        try:
+            with self._stepping(batch_size):
+                self.w.step()
+        finally:
+            _quant.TRACE_SIZES = None
+            self.w.update_hook = update
+        return sizes
+
+    @contextmanager
+    def _stepping(self, batch_size: int):
+        """Around a step of the workload at `batch_size`, traced (one at a time): the last step's cycles
+        collected, the target's kernels and the tracer's accounting on."""
         with _LOCK:
             self.w.batch_size = batch_size
             gc.collect()
-            sizes = _quant.TRACE_SIZES = []
-            update, self.w.update_hook = self.w.update_hook, lambda fn: None
-            try:
-                with _kernels(self.kernels, self.tracer), self.tracer:
-                    self.w.step()
-            finally:
-                _quant.TRACE_SIZES = None
-                self.w.update_hook = update
-        return sizes
+            with _kernels(self.kernels, self.tracer), self.tracer:
+                yield
 
     def probe(self, batch_size: int) -> Probe:
         t0 = time.perf_counter()
@@ -779,16 +786,13 @@ class _Session:
             state["bwd_host"] = tracer.host_copied - state["copied"]
             state["bwd_ops"] = len(tracer.log["flops"])
 
-        with _LOCK:
-            w.batch_size = batch_size
-            gc.collect()
-            with _kernels(self.kernels, tracer), tracer:
-                tracer.reset_peak()
-                tracer.start()
-                try:
-                    w.step(on_forward_end=forward_end, on_backward_end=backward_end)
-                finally:
-                    log = tracer.stop()
+        with self._stepping(batch_size):
+            tracer.reset_peak()
+            tracer.start()
+            try:
+                w.step(on_forward_end=forward_end, on_backward_end=backward_end)
+            finally:
+                log = tracer.stop()
         tensors = w.state_tensors()
         return Probe(
             batch_size, unique_storage_bytes(tensors["params"]), unique_storage_bytes(tensors["optimizer"]),

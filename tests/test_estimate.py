@@ -321,7 +321,7 @@ def test_the_quantized_sizes_pick_the_batches_that_can_align():
 
 
 def test_a_quantizing_search_skips_traces_that_cannot_align_and_keeps_the_step(monkeypatch):
-    """The search for two aligned traces skips the batches a forward's quantized sizes rule out (two traces fewer
+    """The search for two aligned traces skips the batches an untraced step's quantized sizes rule out (two traces fewer
     here: none at 4 or 8) and ends at the pair, and the steps, the plain doubling search finds."""
     import momlab.estimate as E
 
