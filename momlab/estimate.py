@@ -573,20 +573,31 @@ class _Tracer(StorageTracker):
                 and set(self._live) == before):
             self._update_entries = self._recorded(n0, g0, live0, pad0)
 
-    def kernel(self, fn, *args):
+    def kernel(self, fn, *args, traffic: tuple[float, ...] | None = None):
         """Run `fn` (a function of tensors a GPU runs as one compiled kernel: quant's encode and decode) and
-        log its ops as one group, whose traffic is its tensor arguments and results (`quant.TRACE_KERNEL`)."""
+        log its ops as one group, whose traffic is its tensor arguments and results (`quant.TRACE_KERNEL`).
+        `traffic`: the bytes of the kernels a GPU runs for `fn` instead, one group each, in order (the paper's
+        quantizer, `quant.gact_traffic`): the first ones take one op each, the last the rest."""
         if self.log is None or self.group >= 0:
             return fn(*args)
-        self.group = len(self.log["group_bytes"])
-        self.log["group_bytes"].append(0.0)
+        log = self.log
+        n0 = len(log["group"])
+        self.group = len(log["group_bytes"])
+        log["group_bytes"].append(0.0)
         try:
             out = fn(*args)
         finally:
             gid, self.group = self.group, -1
-        tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
-        # a folded quantization pass stands for `REPEAT` passes (momlab.moms.quant.FOLD)
-        self.log["group_bytes"][gid] = float(sum(map(_nbytes, tensors))) * _quant.REPEAT
+        if traffic is None:
+            tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
+            # a folded quantization pass stands for `REPEAT` passes (momlab.moms.quant.FOLD)
+            log["group_bytes"][gid] = float(sum(map(_nbytes, tensors))) * _quant.REPEAT
+            return out
+        if len(log["group"]) - n0 < len(traffic):
+            raise RuntimeError(f"{len(traffic)} kernels over {len(log['group']) - n0} traced ops")
+        log["group_bytes"][gid:] = [float(b) for b in traffic]
+        for i in range(1, len(traffic)):
+            log["group"][n0 + i:] = [gid + i] * (len(log["group"]) - n0 - i)
         return out
 
     def _run(self, func, args, kwargs):

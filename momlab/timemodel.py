@@ -29,7 +29,10 @@ must predict, from first principles on top of the fitted device:
 - quantization's encode and decode are one compiled kernel each on CUDA
   (torch.compile): the trace marks their ops as a group, costed as one kernel
   moving the group's inputs and outputs at memory bandwidth (plus a launch);
-  the ops around them (casts, the rounding noise, copies) stay ops;
+  the ops around them (casts, the rounding noise, copies) stay ops. The paper's
+  stack ran GACT's CUDA kernels (`Stack.quantizer`): there every op of a pack
+  or unpack is in a group, one per GACT kernel, with the bytes it moves
+  (`momlab.moms.quant.gact_traffic`);
 - swap's copies move the host bytes each way at the link's effective pinned
   bandwidth (`Gpu.pinned_bandwidth`); how they share the GPU with compute is
   the swap implementation's (`SWAP_SCHEDULES`, `swap_phases`). momlab's swap

@@ -139,13 +139,17 @@ class Stack:
     # transformers 4.x's BERT added its extended attention mask to the scores always, in the model's dtype (fp32
     # under autocast: the scores enter the softmax in fp32); today's adds none for a mask of all ones
     extended_mask: bool = False
+    # whose kernels a quantizing MOM runs on a GPU (`momlab.moms.quant.KERNELS`: what a trace charges; the bytes
+    # kept are momlab's either way): "momlab" (its own compiled programs) or "gact" (the paper's GACT: a min/max
+    # and a pack kernel per saved tensor reading it in its own dtype, one unpack kernel writing it back)
+    quantizer: str = "momlab"
 
 
 def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
     """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
 
     >>> stack("bert-large", "paper")
-    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None, checkpoint='reentrant', hooks='step', softmax_saves_input=True, extended_mask=True)
+    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None, checkpoint='reentrant', hooks='step', softmax_saves_input=True, extended_mask=True, quantizer='gact')
     >>> stack("gpt3-small", "paper").mixed
     'half-model'
     >>> stack("gpt3-small", attention="eager").optimizer
@@ -171,7 +175,7 @@ def stack(model: str, setup: str = "default", attention: str | None = None) -> S
                  mixed="half-model" if fairseq else "autocast", attention_dropout=0.0 if fairseq else None,
                  checkpoint="reentrant" if paper and family in _PAPER_REENTRANT else "non-reentrant",
                  hooks="step" if paper else "forward", softmax_saves_input=paper,
-                 extended_mask=paper and family == "bert")
+                 extended_mask=paper and family == "bert", quantizer="gact" if paper else "momlab")
 
 
 @dataclass
@@ -374,7 +378,8 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
                 f"nn.Sequential of same-class layers): name them, momlab.UserModel(module, ..., blocks='layers') "
                 f"(an attribute path or a function of the module returning its blocks)")
         handle = apply_stack(net, mom, blocks=blocks,
-                             reentrant=st.checkpoint == "reentrant" and mom.checkpointing != "ckpt-selective")
+                             reentrant=st.checkpoint == "reentrant" and mom.checkpointing != "ckpt-selective",
+                             kernels=st.quantizer)
     foreach = FOREACH and st.foreach
     if st.optimizer == "adamw":
         cls, kw = torch.optim.AdamW, ADAMW

@@ -3,15 +3,17 @@ and the validation table against the paper's V100 data."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import momlab.estimate as E
-from momlab import catalog, validation
+from momlab import catalog, validation, workload
 from momlab.measure import measure
 from momlab.moms import quant
 from momlab.results import config_key
@@ -334,6 +336,62 @@ def test_a_folded_quant4_trace_moves_the_bytes_of_the_unfolded_step(monkeypatch)
     # quantization's own traffic: above the real step's by at most one padded chunk per packed tensor (the
     # fold pads whether or not the step does); counted once per pass, the padding made it 8% more here
     assert unfolded <= folded <= 1.02 * unfolded
+
+
+def test_gacts_kernel_traffic_by_hand():
+    # GACT-ICML gact/ops.py and its CUDA kernels: minimax reads the (padded) values and writes a min and max per
+    # group; compute_scale turns them into a scale; pack reads the values with scale and min and writes 4-bit
+    # codes; unpack reads codes, scale and min and writes the values, all in the tensor's own dtype (no fp32
+    # copy, the noise drawn inside the kernel)
+    (minimax, scale, pack), (unpack,) = quant.gact_traffic(1024, 2, 4)  # fp16, four groups
+    assert (minimax, scale, pack, unpack) == (2048 + 2 * 8, 3 * 8, 2048 + 2 * 8 + 512, 512 + 2 * 8 + 2048)
+    # fp32 and not a whole number of groups: the zero-padding cat copies the tensor first (read 1000, write 1024)
+    (minimax, _, _), _ = quant.gact_traffic(1000, 4, 4)
+    assert minimax == (1000 + 1024) * 4 + 1024 * 4 + 2 * 4 * 4
+    # a uint8 dropout mask: GACT's check reads it for its max and its min, then packs it 8 a byte; unpack
+    # zero-fills the output, then sets it
+    assert quant.gact_traffic(800, 1, 1) == ((800.0, 800.0, 900.0), (800.0, 900.0))
+
+
+@pytest.mark.slow  # four traces of a tiny model: a few seconds
+def test_the_papers_quant4_is_costed_as_gacts_kernels(monkeypatch):
+    """The paper stack's quantizer is GACT's (`Stack.quantizer`): a trace for a GPU charges each packed tensor
+    GACT's kernels, one group each with `gact_traffic`'s bytes, where today's stack charges momlab's own
+    program and the fp32 cast, noise and copies around it. The bytes kept are the same."""
+    monkeypatch.setattr(E._Tracer, "replay", lambda self, fn, key, arg: fn(arg))  # every pack runs
+    calls = []
+    run = quant.Quantizer._run
+
+    def recording(self, fn, arg, program, n, itemsize, bits, phase):
+        tracer = getattr(quant.TRACE_KERNEL, "__self__", None)
+        if self.kernels == "gact" and tracer is not None and tracer.log is not None:
+            calls.append(quant.gact_traffic(n, itemsize, bits)[phase])
+        return run(self, fn, arg, program, n, itemsize, bits, phase)
+
+    monkeypatch.setattr(quant.Quantizer, "_run", recording)
+    assert stack("bert-base", "paper").quantizer == "gact" and stack("bert-base").quantizer == "momlab"
+
+    def probe(mom, quantizer):
+        with monkeypatch.context() as m:
+            swapped = lambda *a, **k: dataclasses.replace(stack(*a, **k), quantizer=quantizer)  # noqa: E731
+            m.setattr(E, "stack", swapped)
+            m.setattr(workload, "stack", swapped)
+            return E._Session("bert-base", mom, "fp16", TINY_BERT, "cuda", setup="paper").probe(8)
+
+    gact = probe("quant4", "gact")
+    kernels = [b for call in calls for b in call]
+    assert len(calls) > 20 and {len(c) for c in calls} == {1, 2, 3}  # floats and dropout masks, packed and unpacked
+    assert list(gact.group_bytes) == kernels  # one group per kernel, in order, with its bytes
+    ours, exact = probe("quant4", "momlab"), probe("exact", "gact")
+    assert np.array_equal(gact.live, ours.live) and np.array_equal(gact.ops, ours.ops)  # the same step
+    assert len(gact.group_bytes) > len(ours.group_bytes)  # GACT: 3 kernels a pack; momlab: encode only grouped
+
+    def quant_traffic(p):
+        inside = p.group >= 0
+        return p.bytes[~inside].sum() + p.group_bytes.sum() - exact.bytes.sum()
+
+    # an fp16 tensor: GACT moves ~7 bytes a value; momlab's casts to fp32 and draws fp32 noise, ~30
+    assert 2 * quant_traffic(gact) < quant_traffic(ours)
 
 
 # -- memory outside tensors --------------------------------------------------------------------

@@ -215,11 +215,12 @@ def apply(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
 
 def apply_stack(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
                 seed: int = 0, prefetch: bool = True, compile: bool | None = None, checkpoint=(),
-                reentrant: bool = False) -> MomHandle:
+                reentrant: bool = False, kernels: str = "momlab") -> MomHandle:
     """`apply`, choosing how ckpt checkpoints: `reentrant` runs torch < 2.0's reentrant checkpoint
     (`momlab.moms.ckpt`), the paper's stack (`momlab.workload.Stack.checkpoint`). Enter
     ``handle.context()`` around backward too and its recomputation passes the MOM's hooks, as GACT's
-    hooks, pushed once for a whole run, made it."""
+    hooks, pushed once for a whole run, made it. `kernels`: whose quantization kernels a trace for a GPU
+    charges (`momlab.moms.quant.KERNELS`, `Stack.quantizer`)."""
     mom = Mom.of(mom)
     parts = mom.parts
     if getattr(module, "_momlab_mom", None) is not None:
@@ -239,7 +240,8 @@ def apply_stack(module: nn.Module, mom: str, blocks: list[nn.Module] | None = No
     if reentrant and "ckpt-selective" in parts:
         raise ValueError(f"{mom}: selective checkpointing's policy needs the non-reentrant checkpoint; "
                          f"reentrant=True takes 'ckpt' or 'ckpt-auto'")
-    handle = compose(module, mom, blocks, seed=seed, prefetch=prefetch, compile=compile, reentrant=reentrant)
+    handle = compose(module, mom, blocks, seed=seed, prefetch=prefetch, compile=compile, reentrant=reentrant,
+                     kernels=kernels)
     if "ckpt-auto" in parts:
         handle.checkpoint(checkpoint)
     elif checkpoint:
@@ -249,7 +251,8 @@ def apply_stack(module: nn.Module, mom: str, blocks: list[nn.Module] | None = No
 
 
 def compose(module: nn.Module, mom: Mom, blocks: list[nn.Module], *,
-            seed: int = 0, prefetch: bool = True, compile: bool | None = None, reentrant: bool = False) -> MomHandle:
+            seed: int = 0, prefetch: bool = True, compile: bool | None = None, reentrant: bool = False,
+            kernels: str = "momlab") -> MomHandle:
     """The one place that orders MOMs: checkpoint wrapping, then saved-tensor hooks."""
     mom = Mom.of(mom)
     parts = mom.parts
@@ -257,7 +260,7 @@ def compose(module: nn.Module, mom: Mom, blocks: list[nn.Module], *,
     stages = []
     bits = [_QUANT[p] for p in parts if p in _QUANT]
     if bits:
-        stages.append(quant.Quantizer(bits[0], seed=seed, compile=compile))
+        stages.append(quant.Quantizer(bits[0], seed=seed, compile=compile, kernels=kernels))
     swapper = swap.Swapper(prefetch=prefetch) if "swap" in parts else None
     if swapper is not None:
         stages.append(swapper)

@@ -41,6 +41,7 @@ the `Quantizer` (the pack/unpack pair, and its parameters) and the
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from typing import NamedTuple
 
@@ -50,8 +51,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from momlab.device import is_oom
 
-__all__ = ["BITS", "GROUP_SIZE", "MIN_NUMEL", "Packed", "Quantizer", "dequantize", "pack_mask", "packed_bytes",
-           "quantize"]
+__all__ = ["BITS", "GROUP_SIZE", "KERNELS", "MIN_NUMEL", "Packed", "Quantizer", "dequantize", "gact_traffic",
+           "pack_mask", "packed_bytes", "quantize"]
 
 BITS = (8, 4, 2)
 GROUP_SIZE = 256  # values sharing one (min, scale): ActNN/GACT's granularity
@@ -60,6 +61,10 @@ META_DTYPE = torch.float32  # min and scale: fp32 so the offset is exact and no 
 # values (de)quantized per step: the float32 temporaries then take a few MiB
 # whatever the tensor's size, instead of several copies of, say, GPT-2's logits
 CHUNK = 1 << 20
+# whose kernels a GPU runs to pack and unpack (what a trace for a GPU charges; memory is momlab's either way):
+# "momlab" (this module's programs, `_encode`/`_decode` compiled, the casts, noise and copies around them
+# separate kernels), "gact" (the paper's quantizer, `gact_traffic`)
+KERNELS = ("momlab", "gact")
 
 # A traced step (momlab.estimate) runs the chunk loops *folded*: one pass over the first chunk stands for
 # all of them. The passes are alike and each frees its temporaries, so memory is the same op by op, and the
@@ -98,6 +103,35 @@ def packed_bytes(p: Packed) -> int:
     """Bytes the packed form stores: codes plus metadata."""
     meta = 0 if p.meta is None else p.meta.numel() * p.meta.element_size()
     return p.data.numel() * p.data.element_size() + meta
+
+
+def gact_traffic(n: int, itemsize: int, bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Bytes each CUDA kernel of the paper's quantizer reads and writes to pack, then to unpack, `n` values
+    of `itemsize` bytes into `bits` bits (GACT-ICML gact/ops.py ``no_scheme_quantize_pack`` and
+    ``dequantize_and_unpack``, gact/cpp_extension/quantization_cuda_kernel.cu; groups of `GROUP_SIZE`).
+
+    Pack: the tensor padded to whole groups (``torch.cat`` with zeros, a copy, only where `n` is not a multiple
+    of the group; its bytes go with the next kernel's), ``minimax`` (reads every value in the tensor's own
+    dtype, writes a min and a max per group), ``compute_scale`` (min and max in, a scale per group out),
+    ``pack_single_precision`` (reads the values, scale and min, draws its rounding noise inside the kernel,
+    writes the codes). Unpack: ``unpack_single_precision`` (reads codes, scale and min, writes the values in
+    the tensor's dtype; the padding is cut off as a view). Bits 1 is a uint8 dropout mask: GACT's check reads
+    it for its max and its min, ``act_quantize_dropout_mask`` packs it 8 values a byte; unpack zero-fills an
+    output and sets it.
+
+    >>> gact_traffic(512, 2, 4)
+    ((1032.0, 12.0, 1288.0), (1288.0,))
+    """
+    if bits == 1:
+        packed = -(-n // 8)
+        return (float(n), float(n), float(n + packed)), (float(n), float(packed + n))
+    groups = -(-n // GROUP_SIZE)
+    padded = groups * GROUP_SIZE
+    stats = groups * itemsize  # one value per group, in the tensor's dtype
+    codes = padded * bits / 8
+    pad = (n + padded) * itemsize if padded != n else 0
+    return ((float(pad + padded * itemsize + 2 * stats), float(3 * stats), padded * itemsize + 2 * stats + codes),
+            (codes + 2 * stats + padded * itemsize,))
 
 
 # -- the tensor programs (pure functions of tensors: torch.compile can take them) --
@@ -149,11 +183,6 @@ def _unpack_bits(data: torch.Tensor, bits: int) -> torch.Tensor:
 # one compiled kernel each (torch.compile), so the time model costs each call as one kernel, not as the CPU
 # ops a trace runs; it is called as TRACE_KERNEL(fn, *args). None: run the function itself.
 TRACE_KERNEL = None
-
-
-def _kernel(fn):
-    hook = TRACE_KERNEL
-    return fn if hook is None else functools.partial(hook, fn)
 
 
 # ... and this: a step packs many tensors of one shape (every block saves the same ones), whose ops, traffic and
@@ -258,7 +287,9 @@ class Quantizer:
     Parameters: `bits` (8, 4 or 2); `min_numel`, the smallest tensor packed;
     `seed` of the rounding generators; `compile`: run the encode/decode
     programs through ``torch.compile`` (default: only on CUDA, where they are
-    memory-bound kernels worth fusing; the plain ops elsewhere).
+    memory-bound kernels worth fusing; the plain ops elsewhere); `kernels`:
+    whose kernels a trace for a GPU charges (`KERNELS`; it packs the same
+    either way).
 
     >>> q = Quantizer(4)
     >>> x = torch.randn(64, 64)
@@ -268,10 +299,14 @@ class Quantizer:
 
     lossy = True  # momlab.moms.compose keeps statistics exact from lossy stages
 
-    def __init__(self, bits: int, *, min_numel: int = MIN_NUMEL, seed: int = 0, compile: bool | None = None):
+    def __init__(self, bits: int, *, min_numel: int = MIN_NUMEL, seed: int = 0, compile: bool | None = None,
+                 kernels: str = "momlab"):
         if bits not in BITS:
             raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
+        if kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
         self.bits = bits
+        self.kernels = kernels
         self.min_numel = min_numel
         self.seed = seed
         self.compile = compile
@@ -287,16 +322,16 @@ class Quantizer:
         hook = TRACE_CALL
         if hook is None:
             return self._pack(x)
-        key = ("pack", self.bits, self.min_numel, self.compile, CHUNK, GROUP_SIZE, FOLD, x.device.type, x.dtype,
-               tuple(x.shape), x.stride(), x.storage_offset(), x.untyped_storage().nbytes())
+        key = ("pack", self.bits, self.min_numel, self.compile, self.kernels, CHUNK, GROUP_SIZE, FOLD, x.device.type,
+               x.dtype, tuple(x.shape), x.stride(), x.storage_offset(), x.untyped_storage().nbytes())
         return hook(self._pack, key, x)
 
     def unpack(self, h):
         hook = TRACE_CALL
         if hook is None or not isinstance(h, Packed):
             return self._unpack(h)
-        key = ("unpack", self.compile, CHUNK, GROUP_SIZE, FOLD, h.data.device.type, h.shape, h.dtype, h.bits,
-               tuple(h.data.shape), h.data.dtype, None if h.meta is None else (tuple(h.meta.shape), h.meta.dtype))
+        key = ("unpack", self.compile, self.kernels, CHUNK, GROUP_SIZE, FOLD, h.data.device.type, h.shape, h.dtype,
+               h.bits, tuple(h.data.shape), h.data.dtype, None if h.meta is None else (tuple(h.meta.shape), h.meta.dtype))
         return hook(self._unpack, key, h)
 
     def _kept_exact(self, x: torch.Tensor) -> bool:
@@ -312,17 +347,33 @@ class Quantizer:
                     return x.detach().clone()
             return x
         if x.dtype == torch.bool:
-            return pack_mask(x)
+            return self._run(lambda t, _: pack_mask(t), x, None, x.numel(), 1, 1, 0)
         if not x.is_floating_point():
             return x
         encode, _ = self._program(x.device)
-        return quantize(x, self.bits, generator=self._generator(x.device), encode=_kernel(encode))
+        generator = self._generator(x.device)
+        return self._run(lambda t, e: quantize(t, self.bits, generator=generator, encode=e), x, encode, x.numel(),
+                         x.element_size(), self.bits, 0)
 
     def _unpack(self, h):
-        if isinstance(h, Packed):
-            _, decode = self._program(h.data.device)
-            return dequantize(h, decode=_kernel(decode))
-        return h
+        if not isinstance(h, Packed):
+            return h
+        n = math.prod(h.shape)
+        if h.bits == 1:
+            return self._run(lambda p, _: dequantize(p), h, None, n, 1, 1, 1)
+        _, decode = self._program(h.data.device)
+        return self._run(lambda p, d: dequantize(p, decode=d), h, decode, n, h.dtype.itemsize, h.bits, 1)
+
+    def _run(self, fn, arg, program, n: int, itemsize: int, bits: int, phase: int):
+        """`fn(arg, program)`. In a trace for a GPU (`TRACE_KERNEL`): with momlab's kernels, `program` (encode
+        or decode) is one kernel; with GACT's, all of `fn` is the kernels of `gact_traffic` (`phase` 0: pack,
+        1: unpack)."""
+        hook = TRACE_KERNEL
+        if hook is not None and self.kernels == "gact":
+            return hook(lambda a: fn(a, program), arg, traffic=gact_traffic(n, itemsize, bits)[phase])
+        if hook is not None and program is not None:
+            program = functools.partial(hook, program)
+        return fn(arg, program)
 
     def _generator(self, device: torch.device) -> torch.Generator | None:
         if device not in self._generators:
