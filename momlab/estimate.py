@@ -593,11 +593,11 @@ class _Tracer(StorageTracker):
             # a folded quantization pass stands for `REPEAT` passes (momlab.moms.quant.FOLD)
             log["group_bytes"][gid] = float(sum(map(_nbytes, tensors))) * _quant.REPEAT
             return out
-        if len(log["group"]) - n0 < len(traffic):
-            raise RuntimeError(f"{len(traffic)} kernels over {len(log['group']) - n0} traced ops")
+        ops, last = len(log["group"]) - n0, len(traffic) - 1
+        if ops <= last:
+            raise RuntimeError(f"{len(traffic)} kernels over {ops} traced ops")
         log["group_bytes"][gid:] = [float(b) for b in traffic]
-        for i in range(1, len(traffic)):
-            log["group"][n0 + i:] = [gid + i] * (len(log["group"]) - n0 - i)
+        log["group"][n0:] = [gid + min(i, last) for i in range(ops)]
         return out
 
     def _run(self, func, args, kwargs):

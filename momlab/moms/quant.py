@@ -331,7 +331,8 @@ class Quantizer:
         if hook is None or not isinstance(h, Packed):
             return self._unpack(h)
         key = ("unpack", self.compile, self.kernels, CHUNK, GROUP_SIZE, FOLD, h.data.device.type, h.shape, h.dtype,
-               h.bits, tuple(h.data.shape), h.data.dtype, None if h.meta is None else (tuple(h.meta.shape), h.meta.dtype))
+               h.bits, tuple(h.data.shape), h.data.dtype,
+               None if h.meta is None else (tuple(h.meta.shape), h.meta.dtype))
         return hook(self._unpack, key, h)
 
     def _kept_exact(self, x: torch.Tensor) -> bool:
