@@ -43,9 +43,9 @@ def main() -> int:
     print(f"calibration of {validation.GPU}: {cal.describe()}")
     by_model = collections.defaultdict(list)
     for label, r in zip(cal.fitted_on, cal.residuals):
-        by_model[label.split()[0]].append(r)
+        by_model[" ".join(label.split()[:2])].append(r)
     for model, rs in by_model.items():
-        print(f"  {model:16s} {len(rs):3d} Exact runs, residual median {np.median(rs):+.3f} "
+        print(f"  {model:21s} {len(rs):3d} Exact runs, residual median {np.median(rs):+.3f} "
               f"(range {min(rs):+.3f} .. {max(rs):+.3f})")
     print()
     print(validation.ratio_text(out["table"]))
@@ -54,6 +54,13 @@ def main() -> int:
         print(f"  {r.model:16s} beat Exact: paper {r.paper_beat or '-'}, predicted {r.pred_beat or '-'}"
               f"{'' if r.same else '   <- differs'}; at the paper's batches {r.pred_beat_paper_batches or '-'}"
               f"{'' if r.same_paper_batches else '   <- differs'}")
+    if len(out["other"]):
+        print("\nThe paper's sweeps at another precision than the model's headline one (its earlier runs; their "
+              "Exact curves are in the calibration, their MOM rows are not):")
+        print(validation.ratio_text(out["other"]))
+        for r in out["other_verdicts"].itertuples(index=False):
+            print(f"  {r.model:16s} beat Exact: paper {r.paper_beat or '-'}, predicted {r.pred_beat or '-'}"
+                  f"{'' if r.same else '   <- differs'}")
     util = validation.utilization_summary(validation.utilization_table(args.models, results=[]))
     print("\nGPU utilization (nvidia-smi's share of the loop a kernel runs), the paper's runs against the "
           "prediction\n(medians over each sweep; nothing fitted to it):")

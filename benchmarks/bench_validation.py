@@ -15,6 +15,9 @@ Prints, in one run:
    at GPU memory by the paper's own records (`validation.paper_headroom`).
 3. The memory breakdown at the paper's batch sizes and the per-sample
    slopes, predicted vs measured.
+4. Out of sample, the same maximum-batch rows and slopes for the paper's
+   sweeps at another precision (BERT-L's earlier fp32 runs,
+   `momlab.reference.OTHER_PRECISIONS`), apart from the summary of 2.
 
 Every prediction is a trace of the step on this CPU (minutes for the whole
 table the first time; build/cache/traces keeps them for the next run).
@@ -34,7 +37,7 @@ from pathlib import Path
 import pandas as pd
 
 import momlab.estimate as E
-from momlab import validation
+from momlab import reference, validation
 
 
 def _timed(fn):
@@ -67,7 +70,11 @@ def first_and_later() -> None:
             E.clear_cache()
 
 
-def _table_per_process(models) -> pd.DataFrame:
+def _table_precision(model: str, precision: str) -> pd.DataFrame:
+    return validation.max_batch_table([model], precision=precision)
+
+
+def _table_per_process(models, other=()) -> pd.DataFrame:
     """`validation.max_batch_table`, one model per fresh process: the caching allocator's searches trace
     many full processes, and one process holding every model's traces ran this 24 GiB machine out of memory
     (killed by the kernel at gpt3-small, the fifth model, docs/LOG.md 2026-12-04). Traces still come from,
@@ -75,6 +82,7 @@ def _table_per_process(models) -> pd.DataFrame:
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx, max_tasks_per_child=1) as pool:
         parts = [pool.submit(validation.max_batch_table, [m]) for m in models]
+        parts += [pool.submit(_table_precision, m, p) for m, p in other]
         return pd.concat([f.result() for f in parts], ignore_index=True)
 
 
@@ -87,7 +95,11 @@ def main() -> None:
     print("timings on a shared 2-core VM: noisy (+-30%, occasionally 2x)")
     first_and_later()
     models = ["resnet50", "bert-large"] if args.quick else validation.MEMORY_MODELS
-    table, secs = _timed(lambda: _table_per_process(models))
+    other = [(m, p) for m, precs in reference.OTHER_PRECISIONS.items() if m in models for p in precs]
+    both, secs = _timed(lambda: _table_per_process(models, other))
+    headline = pd.Series([p == reference.PRECISION[m] for m, p in zip(both["model"], both["precision"])],
+                         index=both.index)
+    table, extra = both[headline], both[~headline]
     cols = ["model", "mom", "precision", "paper_max_batch", "paper_oom_batch", "paper_point",
             "predicted_ideal", "predicted_max_batch", "error", "paper_headroom", "gpu_bound", "comparable", "note"]
     print(f"\npredicted (setup='paper', allocator='caching'; predicted_ideal: without fragmentation) vs the "
@@ -99,6 +111,14 @@ def main() -> None:
     print(f"of them, the {s['rows_gpu_bound']} whose paper run stopped at GPU memory by its own records "
           f"(paper_headroom >= {validation.GPU_BOUND_HEADROOM}): median |error| {s['median_abs_error_gpu_bound']:.1%}, "
           f"max {s['max_abs_error_gpu_bound']:.1%}, within 15%: {s['within_15pct_gpu_bound']}/{s['rows_gpu_bound']}")
+    if len(extra):
+        e = validation.max_batch_summary(extra)
+        print("\nout of sample, the paper's sweeps at another precision (BERT-L's earlier fp32 runs; predicted at "
+              "that precision, not in the summary above)")
+        print(extra[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        print(f"comparable rows {e['rows']}: median |error| {e['median_abs_error']:.1%}, within 15%: "
+              f"{e['within_15pct']}/{e['rows']}; GPU-bound {e['rows_gpu_bound']}: median "
+              f"{e['median_abs_error_gpu_bound']:.1%}, within 15%: {e['within_15pct_gpu_bound']}/{e['rows_gpu_bound']}")
     print("\nthe paper against itself: where each run stopped vs the batch its own peak records fill the card at")
     print(validation.paper_headroom(models).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
     print("\nmemory breakdown at the paper's batch sizes (exact)")
@@ -106,6 +126,9 @@ def main() -> None:
     print("\npeak bytes per sample")
     slope_models = [m for m in ("bert-large", "resnet50", "swin-large", "wide-resnet50-2") if m in models]
     print(validation.slope_table(slope_models).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+    for m, p in other:
+        print(validation.slope_table([m], precision=p).to_string(index=False, header=False,
+                                                                 float_format=lambda x: f"{x:.4g}"))
 
 
 if __name__ == "__main__":

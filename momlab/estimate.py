@@ -1235,10 +1235,10 @@ _SCALARS = ("batch_size", "params_bytes", "optimizer_bytes", "grads_bytes", "for
 _ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops", "group", "group_bytes", "padding")
 
 
-# modules a trace never runs: the time model reads traces, validation and plots read estimates; gpus:
-# a trace depends only on its `kernels`, which is in the key
+# modules a trace never runs: the time model reads traces, validation and plots read estimates, reference is
+# the paper's data; gpus: a trace depends only on its `kernels`, which is in the key
 _UNTRACED = frozenset({"timemodel.py", "validation.py", "plots.py", "whatif.py", "gpus.py", "cli.py", "metrics.py",
-                       "figures.py", "launch.py", "gpucheck.py"})
+                       "figures.py", "launch.py", "gpucheck.py", "reference/__init__.py"})
 
 
 def _source_digest(package: Path) -> str:

@@ -448,16 +448,22 @@ def reference_records(gpu_name: str) -> list[dict]:
     """The paper's Exact runs on one GPU (momlab/reference) as records of `gpu_name`, when it is that GPU.
 
     Every timed batch size of every model of the paper's S1 sweeps, at the
-    paper's precision and default size, traced with the paper's software
-    stack (``setup="paper"``, `momlab.workload.stack`); its MOM rows are left out.
+    paper's precision and default size, and of its sweeps at another precision
+    (`momlab.reference.OTHER_PRECISIONS`: BERT-L in fp32, the only fp32 matmul
+    curve it has), traced with the paper's software stack (``setup="paper"``,
+    `momlab.workload.stack`); its MOM rows are left out.
     """
+    import pandas as pd
+
     from momlab import catalog, reference
     from momlab.workload import stack
 
     g = get_gpu(gpu_name)
     if not g.matches(reference.GPU):
         return []
-    runs = reference.paper_s1_runs()
+    other = [reference.paper_s1_runs(precision=p).query("model == @model")
+             for model, precs in reference.OTHER_PRECISIONS.items() for p in precs]
+    runs = pd.concat([reference.paper_s1_runs(), *other], ignore_index=True)
     runs = runs[(runs["mom"] == "exact") & runs["fits"] & runs["throughput"].notna()]
     out = []
     for r in runs.itertuples(index=False):
@@ -704,7 +710,7 @@ def calibrate(gpu: str, *, trace, results=None, max_records: int = 4, quick: boo
                               f"{len(records)} measured Exact record(s): {', '.join(sources)}",
                               syncs=[r["precision"] in SYNC_PRECISIONS for r in records],
                               windows=[r.get("window") or "step" for r in records],
-                              groups=[r["model"] for r in records])
+                              groups=[f"{r['model']} {r['precision']}" for r in records])
             else:
                 cal = default_calibration(g)
         _CALIBRATIONS[key] = cal

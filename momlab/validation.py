@@ -64,6 +64,7 @@ MODELS = ["resnet50", "wide-resnet50-2", "swin-large", "bert-large", "gpt3-small
 # the paper's rows and the momlab MOM predicted for each; a note marks a row whose paper MOM is another system
 PAPER_MOMS = {"exact": "exact", "ckpt": "ckpt", "ckpt-dtr": "ckpt", "quant4": "quant4", "swap": "swap",
               "quant4+swap": "quant4+swap", "quant4+ckpt": "quant4+ckpt", "swap+ckpt": "swap+ckpt"}
+# (at the model's headline precision: BERT-L's earlier fp32 sweep ran GACT's own swap, `reference.OTHER_PRECISIONS`)
 OTHER_SYSTEM = {
     ("bert-large", "swap"): "paper: DeepSpeed ZeRO-3 offload",
     ("gpt3-small", "cpu-off"): "paper: DeepSpeed CPU offload",
@@ -82,10 +83,35 @@ MEMORY_MODELS = ["resnet50", "wide-resnet50-2", "swin-large", "bert-large", "gpt
 DEPTH_MOMS = ("exact", "ckpt")
 
 
-def s1_table(models=None, *, gpu: str = GPU, results=None) -> pd.DataFrame:
+def _precision(model: str, precision: str | None) -> str:
+    """The precision a row of `model` is predicted at: `precision`, or the model's headline one."""
+    return precision or reference.PRECISION[model]
+
+
+def _other_system(model: str, mom: str, precision: str | None) -> str:
+    """The note of a paper row whose MOM is another system than momlab's ("" when it is momlab's)."""
+    same = precision is None or precision == reference.PRECISION.get(model)
+    return OTHER_SYSTEM.get((model, mom), "") if same else ""
+
+
+def _s1_models(models, precision: str | None) -> list[str]:
+    if models is not None:
+        return list(models)
+    if precision is None:
+        return MODELS
+    have = set(reference.paper_s1(precision=precision)["model"])
+    return [m for m in MODELS if m in have]
+
+
+def s1_table(models=None, *, gpu: str = GPU, results=None, precision: str | None = None) -> pd.DataFrame:
     """Per (model, MOM) of the paper's one-V100 S1 table: predicted and measured maximum throughput.
 
-    Columns: model, mom (the paper's label), predicted_mom, note (empty:
+    `precision`: None for each model's headline precision (the paper's S1
+    table), or another the paper swept at (``"fp32"``: BERT-L's earlier fp32
+    runs and the ResNets, `momlab.reference.OTHER_PRECISIONS`); `models`
+    default: every model with sweeps at it.
+
+    Columns: model, precision, mom (the paper's label), predicted_mom, note (empty:
     comparable), comparable, paper_max_batch, pred_max_batch,
     paper_best_batch, pred_best_batch, paper_throughput, pred_throughput
     (samples/s, predicted), paper_ratio and pred_ratio (MOM/Exact maximum
@@ -100,12 +126,12 @@ def s1_table(models=None, *, gpu: str = GPU, results=None) -> pd.DataFrame:
     maximum batch moved the verdict; NaN where the traces do not align (each
     batch would be a trace of its own).
     """
-    models = MODELS if models is None else list(models)
-    paper = reference.paper_s1()
-    runs = reference.paper_s1_runs()
+    models = _s1_models(models, precision)
+    paper = reference.paper_s1(precision=precision)
+    runs = reference.paper_s1_runs(precision=precision)
     rows = []
     for model in models:
-        prec = reference.PRECISION[model]
+        prec = _precision(model, precision)
         mine = paper[(paper["model"] == model) & paper["mom"].isin(list(PAPER_MOMS))]
         pred, failed = {}, {}
         for mom in dict.fromkeys(PAPER_MOMS[m] for m in mine["mom"]):
@@ -120,12 +146,12 @@ def s1_table(models=None, *, gpu: str = GPU, results=None) -> pd.DataFrame:
         for r in mine.itertuples(index=False):
             mom = PAPER_MOMS[r.mom]
             mb, bb, tp = pred[mom]
-            note = OTHER_SYSTEM.get((model, r.mom), failed.get(mom, ""))
+            note = _other_system(model, r.mom, precision) or failed.get(mom, "")
             ran = runs[(runs["model"] == model) & (runs["mom"] == r.mom) & runs["fits"]
                        & runs["throughput"].notna()]
-            pb, ptp = (_best_of(model, mom, sorted({int(b) for b in ran["batch_size"]}), gpu, results)
+            pb, ptp = (_best_of(model, mom, sorted({int(b) for b in ran["batch_size"]}), gpu, results, prec)
                        if mom not in failed else (0, math.nan))
-            rows.append({"model": model, "mom": r.mom, "predicted_mom": mom, "note": note, "comparable": not note,
+            rows.append({"model": model, "precision": prec, "mom": r.mom, "predicted_mom": mom, "note": note, "comparable": not note,
                          "paper_max_batch": int(r.max_batch_size), "pred_max_batch": mb,
                          "paper_best_batch": int(r.best_batch_size), "pred_best_batch": bb,
                          "paper_throughput": float(r.max_throughput), "pred_throughput": tp,
@@ -140,19 +166,18 @@ def s1_table(models=None, *, gpu: str = GPU, results=None) -> pd.DataFrame:
     return t
 
 
-def _at_batches(model: str, mom: str, batches: list[int], gpu: str, results) -> list | None:
+def _at_batches(model: str, mom: str, batches: list[int], gpu: str, results, prec: str) -> list | None:
     """The paper stack's predicted steps of `model` at `batches`, fitting or not; None where the traces do not
     align (each batch would then be a trace of its own)."""
-    prec = reference.PRECISION[model]
     if not profile(model, mom, precision=prec, setup=SETUP).aligned:
         return None
     return throughput_curve(model, mom, gpu=gpu, batch_sizes=batches, precision=prec, results=results, setup=SETUP)
 
 
-def _best_of(model: str, mom: str, batches: list[int], gpu: str, results) -> tuple[int, float]:
+def _best_of(model: str, mom: str, batches: list[int], gpu: str, results, prec: str) -> tuple[int, float]:
     """The predicted best (batch, samples/s) of `batches`, fitting or not; (0, NaN) where there are none or the
     traces do not align."""
-    est = _at_batches(model, mom, batches, gpu, results) if batches else None
+    est = _at_batches(model, mom, batches, gpu, results, prec) if batches else None
     if not est:
         return 0, math.nan
     b, tp = max(((e.batch_size, e.batch_size / e.step_time_s) for e in est), key=lambda x: x[1])
@@ -182,23 +207,25 @@ def verdicts(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def curves(model: str, *, gpu: str = GPU, results=None) -> pd.DataFrame:
-    """The predicted throughput at every batch size the paper measured, beside the measurement, per MOM.
+def curves(model: str, *, gpu: str = GPU, results=None, precision: str | None = None) -> pd.DataFrame:
+    """The predicted throughput at every batch size the paper measured, beside the measurement, per MOM
+    (at the model's headline precision, or `precision`).
 
-    Columns: model, mom (paper label), batch_size, paper_throughput (NaN: the
+    Columns: model, precision, mom (paper label), batch_size, paper_throughput (NaN: the
     paper's run did not fit), pred_throughput (batch / predicted step time,
     whether or not it is predicted to fit), pred_fits.
     """
-    runs = reference.paper_s1_runs()
+    prec = _precision(model, precision)
+    runs = reference.paper_s1_runs(precision=precision)
     runs = runs[(runs["model"] == model) & runs["mom"].isin(list(PAPER_MOMS))]
     rows = []
     for mom, g in runs.groupby("mom", sort=False):
-        est = _at_batches(model, PAPER_MOMS[mom], sorted({int(b) for b in g["batch_size"]}), gpu, results)
+        est = _at_batches(model, PAPER_MOMS[mom], sorted({int(b) for b in g["batch_size"]}), gpu, results, prec)
         if est is None:
             continue
         measured = g.groupby("batch_size")["throughput"].max()
         for e in est:
-            rows.append({"model": model, "mom": mom, "batch_size": e.batch_size,
+            rows.append({"model": model, "precision": prec, "mom": mom, "batch_size": e.batch_size,
                          "paper_throughput": float(measured.get(e.batch_size, math.nan)),
                          "pred_throughput": e.batch_size / e.step_time_s, "pred_fits": e.fits})
     return pd.DataFrame(rows)
@@ -338,9 +365,16 @@ def crossing(depth: pd.DataFrame, column: str, mom: str = "ckpt", base: str = "e
 
 
 def summary(models=None, *, gpu: str = GPU, results=None, depth: bool = True) -> dict:
-    """The whole check: the S1 table, the verdicts, the depth curves and crossings, the calibration."""
+    """The whole check: the S1 table, the verdicts, the depth curves and crossings, the calibration; and
+    ``other``, the S1 table of the paper's sweeps at another precision than a model's headline one
+    (`momlab.reference.OTHER_PRECISIONS`: BERT-L's fp32 runs; their Exact curve is in the calibration, their
+    MOM rows are not), with ``other_verdicts``."""
     table = s1_table(models, gpu=gpu, results=results)
-    out = {"table": table, "verdicts": verdicts(table), "calibration": calibrate(gpu, results=results)}
+    other = [s1_table([m], gpu=gpu, results=results, precision=p)
+             for m, precs in reference.OTHER_PRECISIONS.items() if models is None or m in models for p in precs]
+    other = pd.concat(other, ignore_index=True) if other else table.iloc[:0]
+    out = {"table": table, "verdicts": verdicts(table), "calibration": calibrate(gpu, results=results),
+           "other": other, "other_verdicts": verdicts(other)}
     if depth:
         d = depth_curves(gpu=gpu, results=results)
         out.update(depth=d, pred_crossing=crossing(d, "pred_throughput"),
@@ -352,11 +386,11 @@ def summary(models=None, *, gpu: str = GPU, results=None, depth: bool = True) ->
 def ratio_text(table: pd.DataFrame) -> str:
     """The ratio table as text, with the error per row (`make bench`); "at the paper's batches": the ratio of
     the predicted best of the batch sizes the paper ran that fit (its memory, momlab's speed)."""
-    lines = [f"{'':16s} {'':12s} {'MOM/Exact ratio':^23s}  {'at paper batches':^16s}",
-             f"{'model':16s} {'MOM':12s} {'paper':>7s} {'pred':>7s} {'error':>7s}  {'pred':>7s} {'error':>7s}  "
+    lines = [f"{'':21s} {'':12s} {'MOM/Exact ratio':^23s}  {'at paper batches':^16s}",
+             f"{'model, precision':21s} {'MOM':12s} {'paper':>7s} {'pred':>7s} {'error':>7s}  {'pred':>7s} {'error':>7s}  "
              f"{'paper tp':>9s} {'pred tp':>9s}  {'max batch p/pred':>16s}  note"]
     for r in table.itertuples(index=False):
-        lines.append(f"{r.model:16s} {r.mom:12s} {r.paper_ratio:7.3f} {r.pred_ratio:7.3f} {r.ratio_error:+7.3f}  "
+        lines.append(f"{r.model + ' ' + r.precision:21s} {r.mom:12s} {r.paper_ratio:7.3f} {r.pred_ratio:7.3f} {r.ratio_error:+7.3f}  "
                      f"{r.pred_ratio_paper_batches:7.3f} {r.ratio_error_paper_batches:+7.3f}  "
                      f"{r.paper_throughput:9.1f} {r.pred_throughput:9.1f}  "
                      f"{r.paper_max_batch:>7d}/{r.pred_max_batch:<8d}  {r.note or ''}")
@@ -371,10 +405,11 @@ def ratio_text(table: pd.DataFrame) -> str:
 
 # -- memory: maximum batch, breakdowns, per-sample slopes --------------------------------------
 
-def paper_headroom(models=None) -> pd.DataFrame:
+def paper_headroom(models=None, *, precision: str | None = None) -> pd.DataFrame:
     """Where each of the paper's one-V100 runs stopped, against where its own peak records fill the card.
 
-    Per (model, MOM) of the paper's S1 sweeps (`models`: default every model)
+    Per (model, MOM) of the paper's S1 sweeps (`models`: default every model;
+    `precision`: each model's headline one, or the sweeps at that precision)
     with a memory sweep at the same precision and default size: the
     least-squares line of the paper's peak (allocated bytes) against batch,
     and ``records_full_batch``, the batch at which that line reaches the
@@ -390,13 +425,13 @@ def paper_headroom(models=None) -> pd.DataFrame:
 
     g = get_gpu(GPU)
     usable = g.memory_bytes - cuda_overheads(g, SETUP).context_bytes
-    s1 = reference.paper_s1()
+    s1 = reference.paper_s1(precision=precision)
     rows = []
     for model in dict.fromkeys(s1["model"]):
         if models is not None and model not in models:
             continue
         try:
-            lines = reference.paper_memory_per_sample(model).set_index("mom")
+            lines = reference.paper_memory_per_sample(model, precision).set_index("mom")
         except ValueError:  # no memory sweep of this model
             continue
         for r in s1[s1["model"] == model].itertuples(index=False):
@@ -412,19 +447,23 @@ def paper_headroom(models=None) -> pd.DataFrame:
                                        "records_full_batch", "headroom"])
 
 
-def _predict(model: str, mom: str, setup: str, allocator: str = "ideal") -> tuple[int | None, str]:
+def _predict(model: str, mom: str, setup: str, allocator: str = "ideal", precision: str | None = None
+             ) -> tuple[int | None, str]:
     """Predicted max batch, or None with the reason it cannot be predicted."""
     try:
-        return predict_max_batch(model, mom, gpu=GPU, precision=reference.PRECISION[model],
+        return predict_max_batch(model, mom, gpu=GPU, precision=_precision(model, precision),
                                  setup=setup, allocator=allocator), ""
     except (ValueError, RuntimeError) as exc:  # a paper label momlab has no MOM for; traces that do not align
         return None, str(exc).splitlines()[0]
 
 
-def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: str = "caching") -> pd.DataFrame:
+def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: str = "caching",
+                    precision: str | None = None) -> pd.DataFrame:
     """Predicted vs the paper's maximum batch on one V100, one row per (model, MOM).
 
-    `models` default `MEMORY_MODELS`; `moms`: None for every MOM the paper ran on
+    `models` default `MEMORY_MODELS` (with `precision`, those of them the
+    paper swept at it: ``"fp32"`` adds BERT-L's earlier fp32 runs to the
+    ResNets); `moms`: None for every MOM the paper ran on
     each model, or a list (a MOM the paper did not run on a model gives a
     row marked "no paper data"). `allocator` (`momlab.estimate.ALLOCATORS`):
     "caching" replays PyTorch's caching allocator on traced processes (a few
@@ -440,16 +479,18 @@ def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: st
     system or no data), note.
     """
     check_choice("allocator", allocator, ALLOCATORS)
-    models = MEMORY_MODELS if models is None else list(models)
-    s1 = reference.paper_s1()
-    headroom = {(r.model, r.mom): r for r in paper_headroom(models).itertuples()}
+    s1 = reference.paper_s1(precision=precision)
+    if models is None:
+        models = [m for m in MEMORY_MODELS if precision is None or m in set(s1["model"])]
+    models = list(models)
+    headroom = {(r.model, r.mom): r for r in paper_headroom(models, precision=precision).itertuples()}
     rows = []
     for model in models:
         ran = s1[s1["model"] == model]
         wanted = list(ran["mom"]) if moms is None else list(moms)
         for mom in wanted:
             paper = ran[ran["mom"] == mom]
-            row = {"model": model, "mom": mom, "precision": reference.PRECISION.get(model, "fp32"),
+            row = {"model": model, "mom": mom, "precision": precision or reference.PRECISION.get(model, "fp32"),
                    "paper_max_batch": pd.NA, "paper_oom_batch": pd.NA, "paper_point": math.nan}
             notes, comparable = [], True
             if paper.empty:
@@ -463,11 +504,12 @@ def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: st
                     notes.append("no failing batch recorded: the paper's figure is a lower bound")
                 else:
                     row["paper_point"] = (float(fit) + float(oom)) / 2
-            if (model, mom) in OTHER_SYSTEM:
-                notes.append(OTHER_SYSTEM[(model, mom)])
+            if _other_system(model, mom, precision):
+                notes.append(_other_system(model, mom, precision))
                 comparable = False
-            ideal, why = _predict(model, mom, setup)
-            predicted = ideal if allocator == "ideal" or ideal is None else _predict(model, mom, setup, allocator)[0]
+            ideal, why = _predict(model, mom, setup, precision=precision)
+            predicted = (ideal if allocator == "ideal" or ideal is None
+                         else _predict(model, mom, setup, allocator, precision)[0])
             if predicted is None:
                 notes.append(f"not predicted: {why}")
                 comparable = False
@@ -543,27 +585,30 @@ def breakdown_table(models=None, *, setup: str = SETUP) -> pd.DataFrame:
 
 
 def slope_table(models=("bert-large", "resnet50", "swin-large", "wide-resnet50-2"), *,
-                setup: str = SETUP) -> pd.DataFrame:
+                setup: str = SETUP, precision: str | None = None) -> pd.DataFrame:
     """Peak bytes per extra sample: the paper's least-squares slope over its memory sweep vs the
-    predicted peak's slope over the same batch range. Columns: model, mom, paper_bytes_per_sample,
-    predicted_bytes_per_sample, error, batch_lo, batch_hi, note."""
+    predicted peak's slope over the same batch range, at each model's headline precision or `precision`.
+    Columns: model, precision, mom, paper_bytes_per_sample, predicted_bytes_per_sample, error, batch_lo,
+    batch_hi, note."""
     runs = reference.paper_runs()
     rows = []
     for model in models:
-        paper = reference.paper_memory_per_sample(model)
+        prec = _precision(model, precision)
+        paper = reference.paper_memory_per_sample(model, precision)
         for _, r in paper.iterrows():
             mom = r["mom"]
             sweep = runs[(runs["model"] == model) & (runs["mom"] == mom) & (runs["experiment"] == "mem")
-                         & runs["fits"] & (runs["gpus"] == 1)]
+                         & runs["fits"] & (runs["gpus"] == 1) & (runs["precision"] == prec)]
             lo, hi = int(sweep["batch_size"].min()), int(sweep["batch_size"].max())
-            note = OTHER_SYSTEM.get((model, mom), "")
+            note = _other_system(model, mom, precision)
             try:
-                prof = profile(model, mom, precision=reference.PRECISION[model], setup=setup)
+                prof = profile(model, mom, precision=prec, setup=setup)
                 ylo, yhi = prof.peak_bytes([lo, hi])
                 pred = (yhi - ylo) / (hi - lo) if hi > lo else math.nan
             except ValueError as exc:
                 pred, note = math.nan, note or f"not predicted: {str(exc).splitlines()[0]}"
-            rows.append({"model": model, "mom": mom, "paper_bytes_per_sample": float(r["bytes_per_sample"]),
+            rows.append({"model": model, "precision": prec, "mom": mom,
+                         "paper_bytes_per_sample": float(r["bytes_per_sample"]),
                          "predicted_bytes_per_sample": float(pred),
                          "error": pred / float(r["bytes_per_sample"]) - 1 if pred == pred else math.nan,
                          "batch_lo": lo, "batch_hi": hi, "note": note})

@@ -447,6 +447,28 @@ def test_max_batch_table_rows_and_marks(monkeypatch):
     assert s["rows_gpu_bound"] == int((t.comparable & t.gpu_bound).sum()) < s["rows"]
 
 
+def test_max_batch_table_at_another_precision(monkeypatch):
+    """BERT-L's fp32 sweep: its own points (exact fit 32 and failed at 40 -> 36), predicted at fp32, its GACT
+    swap comparable (the fp16 sweep's swap is DeepSpeed's, marked), its headroom from its fp32 memory sweep."""
+    asked = []
+
+    def predict(model, mom, *, precision, allocator="ideal", **kw):
+        asked.append((model, precision))
+        return 40
+
+    monkeypatch.setattr(validation, "predict_max_batch", predict)
+    t = validation.max_batch_table(["bert-large"], None, precision="fp32", allocator="ideal").set_index("mom")
+    assert set(asked) == {("bert-large", "fp32")} and set(t.precision) == {"fp32"}
+    assert (t.loc["exact", "paper_max_batch"], t.loc["exact", "paper_oom_batch"], t.loc["exact", "paper_point"]) \
+        == (32, 40, 36.0)
+    assert t.loc["exact", "error"] == pytest.approx(40 / 36 - 1)
+    assert t.loc["swap", "comparable"] and "ZeRO-3" not in t.loc["swap", "note"]
+    # its exact run stopped near where its own fp32 records fill the card (1.11; the fp16 sweep's: 1.10)
+    assert t.loc["exact", "paper_headroom"] == pytest.approx(1.11, abs=0.01) and t.loc["exact", "gpu_bound"]
+    every = validation.max_batch_table(moms=["exact"], precision="fp32", allocator="ideal")
+    assert list(every.model) == ["resnet50", "wide-resnet50-2", "bert-large"]  # the models swept at fp32
+
+
 def test_utilization_table_against_the_papers_samples(monkeypatch):
     """The paper's sampled GPU utilization beside the predicted share (estimates stubbed): one row per run of
     its utilization records and the speed runs they repeat, default sizes only, the error predicted minus

@@ -7,7 +7,7 @@ import pytest
 
 from momlab.reference import (
     paper_gpu_count, paper_largest, paper_memory_per_sample, paper_runs, paper_s1,
-    paper_scaling,
+    paper_s1_runs, paper_scaling,
 )
 from momlab.reference import _s1_table
 
@@ -189,6 +189,34 @@ def test_s1_table_on_hand_made_runs():
     assert s.loc["ckpt", "oom_batch_size"] is pd.NA
     assert s.loc["ckpt", "ratio"] == pytest.approx(0.75)
     assert s.loc["exact", "best_batch_size"] == 16
+
+
+def test_s1_at_another_precision_is_bert_large_s_earlier_fp32_sweep():
+    """BERT-L's fp32 runs (text_classification_results_speed_results_no_limit.json, March 2022): read by hand
+    from the raw file, exact fit 8-32 and failed at 40, its best 50.44 seq/s at 32; GACT's swap best 13.68 at
+    160 and failed at 192. The headline table is untouched, and the ResNets (fp32 already) are the same rows."""
+    fp32 = paper_s1(precision="fp32").set_index(["model", "mom"])
+    exact, swap = fp32.loc[("bert-large", "exact")], fp32.loc[("bert-large", "swap")]
+    assert (exact.max_batch_size, exact.oom_batch_size, exact.max_throughput) == (32, 40, 50.44)
+    assert (swap.max_batch_size, swap.oom_batch_size, swap.max_throughput) == (176, 192, 13.68)
+    assert swap.ratio == pytest.approx(13.68 / 50.44)
+    assert set(paper_s1_runs(precision="fp32").query("model == 'bert-large'")["precision"]) == {"fp32"}
+    head = paper_s1().set_index(["model", "mom"])
+    assert head.loc[("bert-large", "exact"), "max_throughput"] == 163.95
+    pd.testing.assert_frame_equal(fp32.loc["resnet50"], head.loc["resnet50"])
+    assert "swin-large" not in fp32.index.get_level_values(0)
+    fp32_mem = paper_memory_per_sample("bert-large", "fp32").set_index("mom")["bytes_per_sample"]
+    fp16_mem = paper_memory_per_sample("bert-large").set_index("mom")["bytes_per_sample"]
+    # its own sweep (8 runs, batches 4-32), not the fp16 one: 279 MiB a sample against fp16 autocast's 209
+    assert fp32_mem["exact"] / 2**20 == pytest.approx(279.2, abs=0.1)
+    assert fp16_mem["exact"] / 2**20 == pytest.approx(208.8, abs=0.1)
+
+
+def test_unknown_precision_names_the_valid_ones():
+    with pytest.raises(ValueError, match="fp16, fp32"):
+        paper_s1(precision="fp8")
+    with pytest.raises(ValueError, match="fp16, fp32"):
+        paper_memory_per_sample("bert-large", "bf16")
 
 
 def test_unknown_dimension_names_the_valid_ones():

@@ -416,6 +416,38 @@ def test_s1_ratios_at_the_paper_s_batches_take_its_memory_and_momlab_s_speed(mon
     assert "at the paper's batches" in validation.ratio_text(t.reset_index())
 
 
+def test_s1_check_at_another_precision_predicts_that_precision_and_its_own_swap(monkeypatch):
+    """BERT-L's fp32 sweep is checked at fp32 (every prediction asked for fp32), against its own runs (best
+    exact batch 32, not the fp16 sweep's 44), and its swap row is comparable: GACT's own swap there, where the
+    fp16 sweep's "swap" is DeepSpeed's offload (marked)."""
+    from momlab import validation
+
+    asked = set()
+
+    def predict(model, mom, *, precision, **k):
+        asked.add(precision)
+        return 8
+
+    monkeypatch.setattr(validation, "predict_max_batch", predict)
+    monkeypatch.setattr(validation, "best_throughput", lambda model, mom, **k: SimpleNamespace(
+        batch_size=8, throughput=100.0))
+    monkeypatch.setattr(validation, "profile", lambda *a, **k: SimpleNamespace(aligned=True))
+    monkeypatch.setattr(validation, "throughput_curve", lambda model, mom, *, batch_sizes, precision, **k: [
+        asked.add(precision) or SimpleNamespace(batch_size=b, step_time_s=0.01 + 0.001 * b) for b in batch_sizes])
+    t = validation.s1_table(["bert-large"], precision="fp32").set_index("mom")
+    assert asked == {"fp32"} and set(t["precision"]) == {"fp32"}
+    assert t.loc["exact", "paper_best_batch"] == 32 and t.loc["exact", "pred_best_paper_batch"] == 32
+    assert t.loc["swap", "comparable"] and t.loc["swap", "note"] == ""
+    assert t.loc["swap", "paper_ratio"] == pytest.approx(13.68 / 50.44)
+    assert "swap-lz4" not in t.index  # no momlab MOM stands for it
+    asked.clear()
+    head = validation.s1_table(["bert-large"]).set_index("mom")
+    assert asked == {"fp16"} and not head.loc["swap", "comparable"] and "DeepSpeed" in head.loc["swap", "note"]
+    assert "bert-large fp32" in validation.ratio_text(t.reset_index())
+    with pytest.raises(ValueError, match="fp16, fp32"):
+        validation.s1_table(["bert-large"], precision="fp64")
+
+
 def test_predicted_vs_paper_draws_points_and_lines():
     import pandas as pd
 
@@ -461,3 +493,5 @@ def test_v100_calibration_on_the_paper_exact_runs_is_physical():
     assert 1e-7 <= cal.launch_s <= 1e-3 and cal.error < 0.25
     assert all(label.split()[0] in ("resnet50", "wide-resnet50-2", "resnet152", "swin-large", "bert-large",
                                     "gpt3-small", "gpt3-medium") for label in cal.fitted_on)
+    # BERT-L's fp32 Exact curve is the paper's only fp32 matmul one: it fits their efficiency
+    assert "fp32" in cal.fitted and any(label.startswith("bert-large fp32") for label in cal.fitted_on)

@@ -58,6 +58,10 @@ PRECISION = {
     "swin-large": "fp16", "bert-large": "fp16", "gpt3-small": "fp16",
     "gpt3-medium": "fp16",
 }
+# one-V100 S1 sweeps at another precision than the headline one: BERT-L in fp32, the paper's earlier runs
+# (March-May 2022, text_classification_results_*.json, GACT's earlier code; its "swap" there is GACT's
+# activation swap, where the fp16 sweep's is another system)
+OTHER_PRECISIONS = {"bert-large": ("fp32",)}
 # size columns a model's default configuration may carry explicitly
 DEFAULT_SIZE = {"bert-large": {"size.num_layers": 24, "size.hidden_size": 1024}}
 UNITS = {
@@ -100,12 +104,26 @@ def _default_size(df: pd.DataFrame) -> pd.Series:
     return ok
 
 
-def _s1_runs(gpus: int | None = 1) -> pd.DataFrame:
+def check_precision(precision: str | None) -> None:
+    """``precision``: None (each model's headline precision, `PRECISION`) or one the paper ran S1 sweeps at."""
+    valid = sorted(set(PRECISION.values()) | {p for ps in OTHER_PRECISIONS.values() for p in ps})
+    if precision is not None and precision not in valid:
+        raise ValueError(f"unknown precision {precision!r}; the paper's S1 sweeps ran at {', '.join(valid)} "
+                         f"(None: each model's headline precision, {PRECISION})")
+
+
+def _at_precision(df: pd.DataFrame, precision: str | None) -> pd.Series:
+    """Rows at `precision`, or at their model's headline precision (`PRECISION`) when it is None."""
+    check_precision(precision)
+    return df["precision"] == (df["model"].map(PRECISION) if precision is None else precision)
+
+
+def _s1_runs(gpus: int | None = 1, precision: str | None = None) -> pd.DataFrame:
     """The batch sweeps behind S1: experiment "speed", the paper's precision
-    and default size, on ``gpus`` GPUs (all counts when None)."""
+    (or `precision`) and default size, on ``gpus`` GPUs (all counts when None)."""
     df = _table()
     sel = (df["experiment"] == "speed") & df["model"].isin(PRECISION)
-    sel &= df["precision"] == df["model"].map(PRECISION)
+    sel &= _at_precision(df, precision)
     sel &= _default_size(df)
     if gpus is not None:
         sel &= df["gpus"] == gpus
@@ -120,9 +138,10 @@ def paper_utilization_runs() -> pd.DataFrame:
     return df[sel].copy()
 
 
-def paper_s1_runs(gpus: int | None = 1) -> pd.DataFrame:
-    """The paper's S1 batch sweeps (its default sizes and precisions), one row per run."""
-    return _s1_runs(gpus).reset_index(drop=True)
+def paper_s1_runs(gpus: int | None = 1, precision: str | None = None) -> pd.DataFrame:
+    """The paper's S1 batch sweeps (its default sizes and precisions), one row per run; `precision`: the
+    sweeps at that precision instead (BERT-L's fp32 runs, `OTHER_PRECISIONS`)."""
+    return _s1_runs(gpus, precision).reset_index(drop=True)
 
 
 def _s1_table(runs: pd.DataFrame) -> pd.DataFrame:
@@ -175,17 +194,20 @@ def _order(df: pd.DataFrame, *then: str) -> pd.DataFrame:
         .reset_index(drop=True)
 
 
-def paper_s1(gpus: int = 1) -> pd.DataFrame:
+def paper_s1(gpus: int = 1, precision: str | None = None) -> pd.DataFrame:
     """The paper's S1 table: per model and MOM on ``gpus`` V100s, the largest
     batch that fit, the maximum throughput over all batches, and its ratio to
     exact's (columns as ``_s1_table`` says; ``unit`` is img/s or seq/s).
+    At each model's headline precision, or at `precision` for the models
+    with sweeps at it (``paper_s1(precision="fp32")``: the ResNets and
+    BERT-L's earlier fp32 runs).
 
     >>> s1 = paper_s1()
     >>> row = s1[(s1.model == "resnet50") & (s1.mom == "quant4")].iloc[0]
     >>> int(row.max_batch_size), round(float(row.max_throughput), 1), round(float(row.ratio), 2)
     (480, 282.4, 0.75)
     """
-    out = _order(_s1_table(_s1_runs(gpus)))
+    out = _order(_s1_table(_s1_runs(gpus, precision)))
     out["unit"] = out["model"].map(UNITS)
     return out
 
@@ -308,9 +330,10 @@ def paper_largest(dim: str, model: str = "bert-large", batch_size: int = 24) -> 
     return _order(out)
 
 
-def paper_memory_per_sample(model: str = "bert-large") -> pd.DataFrame:
+def paper_memory_per_sample(model: str = "bert-large", precision: str | None = None) -> pd.DataFrame:
     """Peak memory growth per sample: least-squares slope of ``peak_bytes``
-    against batch size over the paper's memory sweep (one V100, default size).
+    against batch size over the paper's memory sweep (one V100, default size,
+    the model's headline precision or `precision`).
 
     Columns: model, mom, bytes_per_sample, intercept_bytes, batches (the
     number of runs fitted). The paper quotes BERT-L in "MB" that are
@@ -318,11 +341,12 @@ def paper_memory_per_sample(model: str = "bert-large") -> pd.DataFrame:
     quant4 43.5, quant4+ckpt 8.3 == bytes_per_sample / 2**30 * 1000.
     """
     df = _table()
+    check_precision(precision)
     sel = (df["model"] == model) & (df["experiment"] == "mem") & (df["gpus"] == 1)
-    sel &= (df["precision"] == PRECISION.get(model, "fp32")) & _default_size(df)
+    sel &= (df["precision"] == (precision or PRECISION.get(model, "fp32"))) & _default_size(df)
     runs = df[sel & df["fits"] & df["peak_bytes"].notna()]
     if runs.empty:
-        raise ValueError(f"no memory sweep for {model!r}; models with one: "
+        raise ValueError(f"no memory sweep for {model!r} at {precision or 'its headline precision'}; models with one: "
                          f"{sorted(df.loc[df['experiment'] == 'mem', 'model'].unique())}")
     rows = []
     for mom, g in runs.groupby("mom", sort=False):
@@ -336,4 +360,5 @@ def paper_memory_per_sample(model: str = "bert-large") -> pd.DataFrame:
 
 
 __all__ = ["paper_runs", "paper_s1", "paper_gpu_count", "paper_scaling", "paper_scaling_runs", "paper_largest",
-           "paper_memory_per_sample", "paper_utilization_runs", "MODELS", "PRECISION", "UNITS", "GPU"]
+           "paper_memory_per_sample", "paper_utilization_runs", "check_precision", "MODELS", "PRECISION",
+           "OTHER_PRECISIONS", "UNITS", "GPU"]
