@@ -598,7 +598,7 @@ def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "", syncs=None, w
     (under `_MIN_SHARE` of their time) keeps its default; with fewer than
     `_MIN_FULL_FIT` records one common scale of every cost is fitted instead.
     `syncs`, `windows`: per record, `step_time`'s ``sync`` and ``window``.
-    `groups`: per record, the curve it belongs to (its model); each curve
+    `groups`: per record, the curve it belongs to (its model, precision and size); each curve
     weighs the same in the fit however many batch sizes it sampled, so the
     model measured most often does not set the parameters of all.
     """
@@ -710,7 +710,8 @@ def calibrate(gpu: str, *, trace, results=None, max_records: int = 4, quick: boo
                               f"{len(records)} measured Exact record(s): {', '.join(sources)}",
                               syncs=[r["precision"] in SYNC_PRECISIONS for r in records],
                               windows=[r.get("window") or "step" for r in records],
-                              groups=[f"{r['model']} {r['precision']}" for r in records])
+                              groups=[f"{r['model']} {r['precision']} {sorted((r.get('size') or {}).items())}"
+                                      for r in records])
             else:
                 cal = default_calibration(g)
         _CALIBRATIONS[key] = cal
