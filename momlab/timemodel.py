@@ -444,14 +444,22 @@ def _records_of(gpu_name: str, files: list[str]) -> list[dict]:
     return out
 
 
+# the paper's scaling study `momlab.validation` checks (S2', `validation.depth_curves`): its Exact runs calibrate
+PAPER_DEPTH_STUDY = "bert-large"
+
+
 def reference_records(gpu_name: str) -> list[dict]:
     """The paper's Exact runs on one GPU (momlab/reference) as records of `gpu_name`, when it is that GPU.
 
-    Every timed batch size of every model of the paper's S1 sweeps, at the
-    paper's precision and default size, and of its sweeps at another precision
-    (`momlab.reference.OTHER_PRECISIONS`: BERT-L in fp32, the only fp32 matmul
-    curve it has), traced with the paper's software stack (``setup="paper"``,
-    `momlab.workload.stack`); its MOM rows are left out.
+    The Exact runs of every study `momlab.validation` checks, each timed
+    batch size of each: the paper's S1 sweeps at its precision and default
+    size, its sweeps at another precision (`momlab.reference.OTHER_PRECISIONS`:
+    BERT-L in fp32, the only fp32 matmul curve it has), and its BERT-L depth
+    study (`PAPER_DEPTH_STUDY`, 2 to 42 layers, one curve per depth). Traced
+    with the paper's software stack (``setup="paper"``,
+    `momlab.workload.stack`). Every MOM row is left out: those are the test.
+    Its other scaling studies (width, ResNet depth) are checked by nothing
+    and stay out (their traces would cost minutes a calibration).
     """
     import pandas as pd
 
@@ -465,14 +473,19 @@ def reference_records(gpu_name: str) -> list[dict]:
              for model, precs in reference.OTHER_PRECISIONS.items() for p in precs]
     runs = pd.concat([reference.paper_s1_runs(), *other], ignore_index=True)
     runs = runs[(runs["mom"] == "exact") & runs["fits"] & runs["throughput"].notna()]
+    depth = reference.paper_scaling_runs("num_layers", PAPER_DEPTH_STUDY)
+    depth = depth[(depth["mom"] == "exact") & depth["fits"] & depth["throughput"].notna()]
     out = []
-    for r in runs.itertuples(index=False):
-        if r.model not in catalog.models():
+    for r, size, study in [*((r, {}, "") for r in runs.to_dict("records")),
+                           *((r, {"num_layers": int(r["size.num_layers"])}, " depth study")
+                             for r in depth.to_dict("records"))]:
+        if r["model"] not in catalog.models():
             continue
-        bs = int(r.batch_size)
-        out.append({"model": r.model, "mom": "exact", "precision": r.precision, "size": {}, "batch_size": bs,
-                    "setup": "paper", "window": stack(r.model, "paper").timed, "step_time_s": bs / float(r.throughput),
-                    "_from": f"paper {reference.GPU} ({r.source})"})
+        bs = int(r["batch_size"])
+        out.append({"model": r["model"], "mom": "exact", "precision": r["precision"], "size": size, "batch_size": bs,
+                    "setup": "paper", "window": stack(r["model"], "paper").timed,
+                    "step_time_s": bs / float(r["throughput"]), "_from": f"paper {reference.GPU} ({r['source']})",
+                    "_curve": f"{r['model']} {r['precision']}{study}"})  # the depth study weighs as one model
     return out
 
 
@@ -598,7 +611,7 @@ def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "", syncs=None, w
     (under `_MIN_SHARE` of their time) keeps its default; with fewer than
     `_MIN_FULL_FIT` records one common scale of every cost is fitted instead.
     `syncs`, `windows`: per record, `step_time`'s ``sync`` and ``window``.
-    `groups`: per record, the curve it belongs to (its model, precision and size); each curve
+    `groups`: per record, the curve it belongs to (its model, precision and size; a scaling study is one); each curve
     weighs the same in the fit however many batch sizes it sampled, so the
     model measured most often does not set the parameters of all.
     """
@@ -658,8 +671,17 @@ def _ideal(model, mom, precision, size, batch_size, gpu, trace, tf32=False, setu
 
 
 def _label(r: dict) -> str:
+    return f"{_sized(r)} {r['precision']} batch {r['batch_size']}"
+
+
+def _sized(r: dict) -> str:
     size = ",".join(f"{k}={v}" for k, v in sorted((r.get("size") or {}).items()))
-    return f"{r['model']}{'[' + size + ']' if size else ''} {r['precision']} batch {r['batch_size']}"
+    return f"{r['model']}{'[' + size + ']' if size else ''}"
+
+
+def _curve(r: dict) -> str:
+    """The curve a record belongs to in a fit: its own ``_curve`` (a study), else its model, size and precision."""
+    return r.get("_curve") or f"{_sized(r)} {r['precision']}"
 
 
 def calibrate(gpu: str, *, trace, results=None, max_records: int = 4, quick: bool = True,
@@ -710,8 +732,7 @@ def calibrate(gpu: str, *, trace, results=None, max_records: int = 4, quick: boo
                               f"{len(records)} measured Exact record(s): {', '.join(sources)}",
                               syncs=[r["precision"] in SYNC_PRECISIONS for r in records],
                               windows=[r.get("window") or "step" for r in records],
-                              groups=[f"{r['model']} {r['precision']} {sorted((r.get('size') or {}).items())}"
-                                      for r in records])
+                              groups=list(map(_curve, records)))
             else:
                 cal = default_calibration(g)
         _CALIBRATIONS[key] = cal

@@ -31,9 +31,11 @@ Memory, predicted with the paper's own software stack (``setup="paper"``,
   `max_batch_summary` gives their median error both with and without them.
 
 Speed, with the same stack: the calibration uses only the paper's Exact
-rows (traced with the paper's stack); the MOM rows and the depth study
-(`s1_table`, `verdicts`, `curves`, `depth_curves`, `crossing`, `summary`)
-are what this checks the time model against. The paper's swap was GACT's,
+rows (traced with the paper's stack: the S1 sweeps' and the depth study's,
+`momlab.timemodel.reference_records`); the MOM rows, Checkpoint's depth
+curve and where it overtakes Exact (`s1_table`, `verdicts`, `curves`,
+`depth_curves`, `crossing`, `summary`) are what this checks the time model
+against. The paper's swap was GACT's,
 whose copies run on the compute stream (`momlab.estimate.swap_schedule`).
 
 Rows where the paper's MOM is another system than momlab's are shown and
@@ -151,7 +153,8 @@ def s1_table(models=None, *, gpu: str = GPU, results=None, precision: str | None
                        & runs["throughput"].notna()]
             pb, ptp = (_best_of(model, mom, sorted({int(b) for b in ran["batch_size"]}), gpu, results, prec)
                        if mom not in failed else (0, math.nan))
-            rows.append({"model": model, "precision": prec, "mom": r.mom, "predicted_mom": mom, "note": note, "comparable": not note,
+            rows.append({"model": model, "precision": prec, "mom": r.mom, "predicted_mom": mom, "note": note,
+                         "comparable": not note,
                          "paper_max_batch": int(r.max_batch_size), "pred_max_batch": mb,
                          "paper_best_batch": int(r.best_batch_size), "pred_best_batch": bb,
                          "paper_throughput": float(r.max_throughput), "pred_throughput": tp,
@@ -387,10 +390,12 @@ def ratio_text(table: pd.DataFrame) -> str:
     """The ratio table as text, with the error per row (`make bench`); "at the paper's batches": the ratio of
     the predicted best of the batch sizes the paper ran that fit (its memory, momlab's speed)."""
     lines = [f"{'':21s} {'':12s} {'MOM/Exact ratio':^23s}  {'at paper batches':^16s}",
-             f"{'model, precision':21s} {'MOM':12s} {'paper':>7s} {'pred':>7s} {'error':>7s}  {'pred':>7s} {'error':>7s}  "
+             f"{'model, precision':21s} {'MOM':12s} {'paper':>7s} {'pred':>7s} {'error':>7s}  "
+             f"{'pred':>7s} {'error':>7s}  "
              f"{'paper tp':>9s} {'pred tp':>9s}  {'max batch p/pred':>16s}  note"]
     for r in table.itertuples(index=False):
-        lines.append(f"{r.model + ' ' + r.precision:21s} {r.mom:12s} {r.paper_ratio:7.3f} {r.pred_ratio:7.3f} {r.ratio_error:+7.3f}  "
+        lines.append(f"{r.model + ' ' + r.precision:21s} {r.mom:12s} {r.paper_ratio:7.3f} {r.pred_ratio:7.3f} "
+                     f"{r.ratio_error:+7.3f}  "
                      f"{r.pred_ratio_paper_batches:7.3f} {r.ratio_error_paper_batches:+7.3f}  "
                      f"{r.paper_throughput:9.1f} {r.pred_throughput:9.1f}  "
                      f"{r.paper_max_batch:>7d}/{r.pred_max_batch:<8d}  {r.note or ''}")

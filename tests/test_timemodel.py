@@ -482,6 +482,26 @@ def test_predicted_utilization_draws_samples_as_points_and_the_prediction_as_a_l
         plots.predicted_utilization(t.iloc[:0])
 
 
+def test_v100_calibration_records_are_the_exact_runs_of_the_checked_studies():
+    """The V100 is fitted on the Exact runs of what momlab.validation checks, never a MOM row: the S1 sweeps
+    (headline precisions and BERT-L's fp32 one) and BERT-L's depth study, which weighs as one curve however
+    many depths it ran (12 depths from 2 to 42 layers, 47 timed runs)."""
+    from collections import Counter
+
+    from momlab import reference, timemodel
+
+    recs = timemodel.reference_records("V100-16")
+    assert {r["mom"] for r in recs} == {"exact"} and {r["setup"] for r in recs} == {"paper"}
+    curves = Counter(map(timemodel._curve, recs))
+    depth = reference.paper_scaling_runs("num_layers", "bert-large")
+    timed = depth[(depth["mom"] == "exact") & depth["fits"] & depth["throughput"].notna()]
+    assert curves["bert-large fp16 depth study"] == len(timed) == 47
+    assert sorted({r["size"]["num_layers"] for r in recs if r["size"]}) == [2, 6, 10, 14, 18, 22, 24, 26, 30, 34,
+                                                                          38, 42]
+    assert curves["bert-large fp32"] == 4 and curves["bert-large fp16"] == 6 and len(curves) == 9
+    assert timemodel.reference_records("A100-40") == []
+
+
 @pytest.mark.slow
 def test_v100_calibration_on_the_paper_exact_runs_is_physical():
     """The fit on the paper's Exact curves (real-size traces: minutes on a cold cache)."""
@@ -495,3 +515,4 @@ def test_v100_calibration_on_the_paper_exact_runs_is_physical():
                                     "gpt3-small", "gpt3-medium") for label in cal.fitted_on)
     # BERT-L's fp32 Exact curve is the paper's only fp32 matmul one: it fits their efficiency
     assert "fp32" in cal.fitted and any(label.startswith("bert-large fp32") for label in cal.fitted_on)
+    assert any(label.startswith("bert-large[num_layers=42] fp16") for label in cal.fitted_on)
