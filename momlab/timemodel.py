@@ -455,7 +455,8 @@ def reference_records(gpu_name: str) -> list[dict]:
     batch size of each: the paper's S1 sweeps at its precision and default
     size, its sweeps at another precision (`momlab.reference.OTHER_PRECISIONS`:
     BERT-L in fp32, the only fp32 matmul curve it has), and its BERT-L depth
-    study (`PAPER_DEPTH_STUDY`, 2 to 42 layers, one curve per depth). Traced
+    study (`PAPER_DEPTH_STUDY`, 2 to 42 layers; one curve in the fit, as one
+    model's many runs must not set the parameters of all). Traced
     with the paper's software stack (``setup="paper"``,
     `momlab.workload.stack`). Every MOM row is left out: those are the test.
     Its other scaling studies (width, ResNet depth) are checked by nothing
@@ -611,9 +612,10 @@ def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "", syncs=None, w
     (under `_MIN_SHARE` of their time) keeps its default; with fewer than
     `_MIN_FULL_FIT` records one common scale of every cost is fitted instead.
     `syncs`, `windows`: per record, `step_time`'s ``sync`` and ``window``.
-    `groups`: per record, the curve it belongs to (its model, precision and size; a scaling study is one); each curve
-    weighs the same in the fit however many batch sizes it sampled, so the
-    model measured most often does not set the parameters of all.
+    `groups`: per record, the curve it belongs to (its model, precision and
+    size; a scaling study is one curve); each curve weighs the same in the
+    fit however many batch sizes it sampled, so the model measured most often
+    does not set the parameters of all.
     """
     pts = _Points(probes, measured, g, syncs, windows)
     if groups is None:

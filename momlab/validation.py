@@ -35,8 +35,8 @@ rows (traced with the paper's stack: the S1 sweeps' and the depth study's,
 `momlab.timemodel.reference_records`); the MOM rows, Checkpoint's depth
 curve and where it overtakes Exact (`s1_table`, `verdicts`, `curves`,
 `depth_curves`, `crossing`, `summary`) are what this checks the time model
-against. The paper's swap was GACT's,
-whose copies run on the compute stream (`momlab.estimate.swap_schedule`).
+against. The paper's swap was GACT's, whose copies run on the compute
+stream (`momlab.estimate.swap_schedule`).
 
 Rows where the paper's MOM is another system than momlab's are shown and
 marked (``comparable=False``, `OTHER_SYSTEM`): ResNet "Checkpoint" was DTR
