@@ -95,7 +95,7 @@ def main() -> None:
     print("timings on a shared 2-core VM: noisy (+-30%, occasionally 2x)")
     first_and_later()
     models = ["resnet50", "bert-large"] if args.quick else validation.MEMORY_MODELS
-    other = [(m, p) for m, precs in reference.OTHER_PRECISIONS.items() if m in models for p in precs]
+    other = reference.other_sweeps(models)
     both, secs = _timed(lambda: _table_per_process(models, other))
     headline = pd.Series([p == reference.PRECISION[m] for m, p in zip(both["model"], both["precision"])],
                          index=both.index)

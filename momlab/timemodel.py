@@ -470,8 +470,7 @@ def reference_records(gpu_name: str) -> list[dict]:
     g = get_gpu(gpu_name)
     if not g.matches(reference.GPU):
         return []
-    other = [reference.paper_s1_runs(precision=p).query("model == @model")
-             for model, precs in reference.OTHER_PRECISIONS.items() for p in precs]
+    other = [reference.paper_s1_runs(precision=p).query("model == @model") for model, p in reference.other_sweeps()]
     runs = pd.concat([reference.paper_s1_runs(), *other], ignore_index=True)
     runs = runs[(runs["mom"] == "exact") & runs["fits"] & runs["throughput"].notna()]
     depth = reference.paper_scaling_runs("num_layers", PAPER_DEPTH_STUDY)

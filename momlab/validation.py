@@ -87,7 +87,7 @@ DEPTH_MOMS = ("exact", "ckpt")
 
 def _precision(model: str, precision: str | None) -> str:
     """The precision a row of `model` is predicted at: `precision`, or the model's headline one."""
-    return precision or reference.PRECISION[model]
+    return precision or reference.PRECISION.get(model, "fp32")
 
 
 def _other_system(model: str, mom: str, precision: str | None) -> str:
@@ -96,13 +96,14 @@ def _other_system(model: str, mom: str, precision: str | None) -> str:
     return OTHER_SYSTEM.get((model, mom), "") if same else ""
 
 
-def _s1_models(models, precision: str | None) -> list[str]:
+def _models(models, precision: str | None, default: list[str]) -> list[str]:
+    """`models`, or those of `default` the paper swept at `precision` (all of them at the headline ones)."""
     if models is not None:
         return list(models)
     if precision is None:
-        return MODELS
+        return list(default)
     have = set(reference.paper_s1(precision=precision)["model"])
-    return [m for m in MODELS if m in have]
+    return [m for m in default if m in have]
 
 
 def s1_table(models=None, *, gpu: str = GPU, results=None, precision: str | None = None) -> pd.DataFrame:
@@ -128,7 +129,7 @@ def s1_table(models=None, *, gpu: str = GPU, results=None, precision: str | None
     maximum batch moved the verdict; NaN where the traces do not align (each
     batch would be a trace of its own).
     """
-    models = _s1_models(models, precision)
+    models = _models(models, precision, MODELS)
     paper = reference.paper_s1(precision=precision)
     runs = reference.paper_s1_runs(precision=precision)
     rows = []
@@ -373,8 +374,7 @@ def summary(models=None, *, gpu: str = GPU, results=None, depth: bool = True) ->
     (`momlab.reference.OTHER_PRECISIONS`: BERT-L's fp32 runs; their Exact curve is in the calibration, their
     MOM rows are not), with ``other_verdicts``."""
     table = s1_table(models, gpu=gpu, results=results)
-    other = [s1_table([m], gpu=gpu, results=results, precision=p)
-             for m, precs in reference.OTHER_PRECISIONS.items() if models is None or m in models for p in precs]
+    other = [s1_table([m], gpu=gpu, results=results, precision=p) for m, p in reference.other_sweeps(models)]
     other = pd.concat(other, ignore_index=True) if other else table.iloc[:0]
     out = {"table": table, "verdicts": verdicts(table), "calibration": calibrate(gpu, results=results),
            "other": other, "other_verdicts": verdicts(other)}
@@ -485,9 +485,7 @@ def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: st
     """
     check_choice("allocator", allocator, ALLOCATORS)
     s1 = reference.paper_s1(precision=precision)
-    if models is None:
-        models = [m for m in MEMORY_MODELS if precision is None or m in set(s1["model"])]
-    models = list(models)
+    models = _models(models, precision, MEMORY_MODELS)
     headroom = {(r.model, r.mom): r for r in paper_headroom(models, precision=precision).itertuples()}
     rows = []
     for model in models:
@@ -495,7 +493,7 @@ def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: st
         wanted = list(ran["mom"]) if moms is None else list(moms)
         for mom in wanted:
             paper = ran[ran["mom"] == mom]
-            row = {"model": model, "mom": mom, "precision": precision or reference.PRECISION.get(model, "fp32"),
+            row = {"model": model, "mom": mom, "precision": _precision(model, precision),
                    "paper_max_batch": pd.NA, "paper_oom_batch": pd.NA, "paper_point": math.nan}
             notes, comparable = [], True
             if paper.empty:
@@ -509,8 +507,9 @@ def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: st
                     notes.append("no failing batch recorded: the paper's figure is a lower bound")
                 else:
                     row["paper_point"] = (float(fit) + float(oom)) / 2
-            if _other_system(model, mom, precision):
-                notes.append(_other_system(model, mom, precision))
+            other = _other_system(model, mom, precision)
+            if other:
+                notes.append(other)
                 comparable = False
             ideal, why = _predict(model, mom, setup, precision=precision)
             predicted = (ideal if allocator == "ideal" or ideal is None

@@ -104,6 +104,12 @@ def _default_size(df: pd.DataFrame) -> pd.Series:
     return ok
 
 
+def other_sweeps(models=None) -> list[tuple[str, str]]:
+    """(model, precision) of each one-V100 S1 sweep at another precision than the model's headline one
+    (`OTHER_PRECISIONS`), of `models` (default all)."""
+    return [(m, p) for m, precs in OTHER_PRECISIONS.items() if models is None or m in models for p in precs]
+
+
 def check_precision(precision: str | None) -> None:
     """``precision``: None (each model's headline precision, `PRECISION`) or one the paper ran S1 sweeps at."""
     valid = sorted(set(PRECISION.values()) | {p for ps in OTHER_PRECISIONS.values() for p in ps})
@@ -360,5 +366,5 @@ def paper_memory_per_sample(model: str = "bert-large", precision: str | None = N
 
 
 __all__ = ["paper_runs", "paper_s1", "paper_gpu_count", "paper_scaling", "paper_scaling_runs", "paper_largest",
-           "paper_memory_per_sample", "paper_utilization_runs", "check_precision", "MODELS", "PRECISION",
-           "OTHER_PRECISIONS", "UNITS", "GPU"]
+           "paper_memory_per_sample", "paper_utilization_runs", "check_precision", "other_sweeps", "MODELS",
+           "PRECISION", "OTHER_PRECISIONS", "UNITS", "GPU"]
