@@ -19,8 +19,8 @@ Memory, predicted with the paper's own software stack (``setup="paper"``,
   `max_batch_summary` gives the median error of the comparable rows.
 - `breakdown_table`: activations, model-related (weights, gradients,
   optimizer state) and peak at the paper's breakdown batch sizes.
-- `slope_table`: peak memory per extra sample against the paper's memory
-  sweeps.
+- `slope_table`: peak memory per extra sample, and what the step keeps at
+  the end of forward, against the paper's memory sweeps.
 - `paper_headroom`: the paper against itself. Where its run stopped, as a
   share of the batch at which its own peak-memory records (a line through
   its memory sweep) fill the card. Near 1 its run stopped where its
@@ -588,12 +588,14 @@ def breakdown_table(models=None, *, setup: str = SETUP) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def slope_table(models=("bert-large", "resnet50", "swin-large", "wide-resnet50-2"), *,
+def slope_table(models=("bert-large", "resnet50", "swin-large", "wide-resnet50-2"), moms=None, *,
                 setup: str = SETUP, precision: str | None = None) -> pd.DataFrame:
     """Peak bytes per extra sample: the paper's least-squares slope over its memory sweep vs the
-    predicted peak's slope over the same batch range, at each model's headline precision or `precision`.
-    Columns: model, precision, mom, paper_bytes_per_sample, predicted_bytes_per_sample, error, batch_lo,
-    batch_hi, note."""
+    predicted peak's slope over the same batch range, at each model's headline precision or `precision`;
+    beside it the same for what the step keeps at the end of forward (``activation_bytes``, where the paper
+    recorded it). Columns: model, precision, mom, paper_bytes_per_sample, predicted_bytes_per_sample, error,
+    paper_activation_per_sample, predicted_activation_per_sample, activation_error, batch_lo, batch_hi,
+    note. `moms`: those of the paper's sweeps to show (default all)."""
     runs = reference.paper_runs()
     rows = []
     for model in models:
@@ -601,6 +603,8 @@ def slope_table(models=("bert-large", "resnet50", "swin-large", "wide-resnet50-2
         paper = reference.paper_memory_per_sample(model, precision)
         for _, r in paper.iterrows():
             mom = r["mom"]
+            if moms is not None and mom not in moms:
+                continue
             sweep = runs[(runs["model"] == model) & (runs["mom"] == mom) & (runs["experiment"] == "mem")
                          & runs["fits"] & (runs["gpus"] == 1) & (runs["precision"] == prec)]
             lo, hi = int(sweep["batch_size"].min()), int(sweep["batch_size"].max())
@@ -609,11 +613,17 @@ def slope_table(models=("bert-large", "resnet50", "swin-large", "wide-resnet50-2
                 prof = profile(model, mom, precision=prec, setup=setup)
                 ylo, yhi = prof.peak_bytes([lo, hi])
                 pred = (yhi - ylo) / (hi - lo) if hi > lo else math.nan
+                # the same line through the profile's two traces as the peak's
+                act = (prof.hi.activation_bytes - prof.lo.activation_bytes) / (prof.hi.batch_size - prof.lo.batch_size)
             except ValueError as exc:
-                pred, note = math.nan, note or f"not predicted: {str(exc).splitlines()[0]}"
+                pred = act = math.nan
+                note = note or f"not predicted: {str(exc).splitlines()[0]}"
+            paper_act = float(r["activation_per_sample"])
             rows.append({"model": model, "precision": prec, "mom": mom,
                          "paper_bytes_per_sample": float(r["bytes_per_sample"]),
                          "predicted_bytes_per_sample": float(pred),
                          "error": pred / float(r["bytes_per_sample"]) - 1 if pred == pred else math.nan,
+                         "paper_activation_per_sample": paper_act, "predicted_activation_per_sample": float(act),
+                         "activation_error": act / paper_act - 1 if act == act and paper_act else math.nan,
                          "batch_lo": lo, "batch_hi": hi, "note": note})
     return pd.DataFrame(rows)

@@ -141,15 +141,21 @@ class Stack:
     extended_mask: bool = False
     # whose kernels a quantizing MOM runs on a GPU (`momlab.moms.quant.KERNELS`: what a trace charges; the bytes
     # kept are momlab's either way): "momlab" (its own compiled programs) or "gact" (the paper's GACT: a min/max
-    # and a pack kernel per saved tensor reading it in its own dtype, one unpack kernel writing it back)
+    # and a pack kernel per saved tensor reading it in its own dtype, one unpack kernel writing it back; with swap,
+    # only the codes go to the host: `momlab.moms.swap.Swapper`'s ``codes_only``)
     quantizer: str = "momlab"
+    # a tensor that several ops save (ResNet's in-place ReLU output: the ReLU's and the next convolution's) is packed
+    # (quantized, swapped) once, as momlab's hooks do; False: once per save, as GACT's controller did for the paper
+    # (gact/conf.py ``check_dup = False``, its default: every save gets its own key, its own packed copy, and is
+    # unpacked on its own in backward)
+    saved_once: bool = True
 
 
 def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
     """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
 
     >>> stack("bert-large", "paper")
-    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None, checkpoint='reentrant', hooks='step', softmax_saves_input=True, extended_mask=True, quantizer='gact')
+    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None, checkpoint='reentrant', hooks='step', softmax_saves_input=True, extended_mask=True, quantizer='gact', saved_once=False)
     >>> stack("gpt3-small", "paper").mixed
     'half-model'
     >>> stack("gpt3-small", attention="eager").optimizer
@@ -175,7 +181,8 @@ def stack(model: str, setup: str = "default", attention: str | None = None) -> S
                  mixed="half-model" if fairseq else "autocast", attention_dropout=0.0 if fairseq else None,
                  checkpoint="reentrant" if paper and family in _PAPER_REENTRANT else "non-reentrant",
                  hooks="step" if paper else "forward", softmax_saves_input=paper,
-                 extended_mask=paper and family == "bert", quantizer="gact" if paper else "momlab")
+                 extended_mask=paper and family == "bert", quantizer="gact" if paper else "momlab",
+                 saved_once=not paper)
 
 
 @dataclass
@@ -379,7 +386,7 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
                 f"(an attribute path or a function of the module returning its blocks)")
         handle = apply_stack(net, mom, blocks=blocks,
                              reentrant=st.checkpoint == "reentrant" and mom.checkpointing != "ckpt-selective",
-                             kernels=st.quantizer)
+                             kernels=st.quantizer, saved_once=st.saved_once)
     foreach = FOREACH and st.foreach
     if st.optimizer == "adamw":
         cls, kw = torch.optim.AdamW, ADAMW

@@ -293,6 +293,29 @@ def test_meta_tensors_pack_to_the_same_byte_counts():
     assert Quantizer(4).unpack(p).shape == x.shape
 
 
+def test_gacts_quantize_and_swap_moves_only_the_codes():
+    """The paper's GACT (kernels "gact") kept a group's minimum and scale in the tensor's own dtype, and its
+    quantize+swap copied only the codes to the host: the metadata, 1-bit dropout masks and whatever it left
+    unquantized stayed on the device. momlab's own quantizer keeps fp32 metadata and its swap moves it all."""
+    from momlab.moms.swap import Swapper, _OnHost
+
+    x = torch.randn(4, 1024, dtype=torch.float16)
+    ours, gacts = Quantizer(4).pack(x), Quantizer(4, kernels="gact").pack(x)
+    assert ours.meta.dtype == torch.float32 and gacts.meta.dtype == torch.float16
+    assert packed_bytes(ours) - packed_bytes(gacts) == 16 * 2 * 2  # 16 groups, two values 2 bytes smaller
+    assert (Quantizer(4, kernels="gact").unpack(gacts) - x).abs().max() <= (x.max() - x.min()) / 15 + 1e-2
+
+    mask, index = pack_mask(torch.rand(4096) < 0.9), torch.arange(2048)
+    everything, codes = Swapper(), Swapper(codes_only=True)
+    moved = everything.pack(gacts)
+    assert isinstance(moved.data, _OnHost) and isinstance(moved.meta, _OnHost)
+    kept = codes.pack(gacts)
+    assert isinstance(kept.data, _OnHost) and kept.meta is gacts.meta
+    assert codes.pack(mask) is mask and codes.pack(index) is index
+    assert isinstance(everything.pack(index), _OnHost)
+    assert torch.equal(codes.unpack(kept).data, gacts.data)
+
+
 def test_quantizer_refuses_other_bit_widths():
     with pytest.raises(ValueError, match="8, 4, 2"):
         Quantizer(3)

@@ -99,6 +99,15 @@ def test_memory_per_sample_matches_brief():
     assert round(per["quant4+ckpt"], 1) == 8.3
 
 
+def test_activation_per_sample_is_the_slope_of_the_recorded_activations():
+    """ResNet-50 quant4: the paper recorded 602,364,969 bytes at the end of forward at batch 32 and
+    8,946,031,002 at 480 (read from the raw file); its sweep is a line to the per mille. Swap keeps nothing."""
+    got = paper_memory_per_sample("resnet50").set_index("mom")["activation_per_sample"]
+    assert got["quant4"] == pytest.approx((8946031002 - 602364969) / (480 - 32), rel=2e-3)
+    assert got["swap"] == 0.0
+    assert got["quant4+swap"] == pytest.approx(2.61e6, rel=0.01)
+
+
 def test_largest_depth_at_batch_24():
     got = paper_largest("num_layers").set_index("mom")
     assert got.loc["exact", "num_layers"] == 32

@@ -21,7 +21,8 @@ outputs), then one pair of saved-tensor hooks handles what is still saved:
 pack = swap(quant(x)), unpack = dequant(unswap(h)), so quant shrinks what
 swap moves. Parameters and buffers of the model pass through untouched, and
 a tensor saved several times (one input of Q, K and V projections) is
-packed once.
+packed once (``saved_once``; the paper's GACT packed it once per save:
+`momlab.workload.Stack.saved_once`).
 
     >>> handle = apply(model, "quant4+ckpt")      # doctest: +SKIP
     >>> with handle.context():                    # doctest: +SKIP
@@ -215,12 +216,14 @@ def apply(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
 
 def apply_stack(module: nn.Module, mom: str, blocks: list[nn.Module] | None = None, *,
                 seed: int = 0, prefetch: bool = True, compile: bool | None = None, checkpoint=(),
-                reentrant: bool = False, kernels: str = "momlab") -> MomHandle:
+                reentrant: bool = False, kernels: str = "momlab", saved_once: bool = True) -> MomHandle:
     """`apply`, choosing how ckpt checkpoints: `reentrant` runs torch < 2.0's reentrant checkpoint
     (`momlab.moms.ckpt`), the paper's stack (`momlab.workload.Stack.checkpoint`). Enter
     ``handle.context()`` around backward too and its recomputation passes the MOM's hooks, as GACT's
     hooks, pushed once for a whole run, made it. `kernels`: whose quantization kernels a trace for a GPU
-    charges (`momlab.moms.quant.KERNELS`, `Stack.quantizer`)."""
+    charges (`momlab.moms.quant.KERNELS`, `Stack.quantizer`); with "gact", quantize+swap moves only the codes
+    to the host, as GACT did (`momlab.moms.swap.Swapper`). `saved_once`: False packs a tensor once per
+    op that saves it, as GACT did (`Stack.saved_once`)."""
     mom = Mom.of(mom)
     parts = mom.parts
     if getattr(module, "_momlab_mom", None) is not None:
@@ -241,7 +244,7 @@ def apply_stack(module: nn.Module, mom: str, blocks: list[nn.Module] | None = No
         raise ValueError(f"{mom}: selective checkpointing's policy needs the non-reentrant checkpoint; "
                          f"reentrant=True takes 'ckpt' or 'ckpt-auto'")
     handle = compose(module, mom, blocks, seed=seed, prefetch=prefetch, compile=compile, reentrant=reentrant,
-                     kernels=kernels)
+                     kernels=kernels, saved_once=saved_once)
     if "ckpt-auto" in parts:
         handle.checkpoint(checkpoint)
     elif checkpoint:
@@ -252,7 +255,7 @@ def apply_stack(module: nn.Module, mom: str, blocks: list[nn.Module] | None = No
 
 def compose(module: nn.Module, mom: Mom, blocks: list[nn.Module], *,
             seed: int = 0, prefetch: bool = True, compile: bool | None = None, reentrant: bool = False,
-            kernels: str = "momlab") -> MomHandle:
+            kernels: str = "momlab", saved_once: bool = True) -> MomHandle:
     """The one place that orders MOMs: checkpoint wrapping, then saved-tensor hooks."""
     mom = Mom.of(mom)
     parts = mom.parts
@@ -261,11 +264,12 @@ def compose(module: nn.Module, mom: Mom, blocks: list[nn.Module], *,
     bits = [_QUANT[p] for p in parts if p in _QUANT]
     if bits:
         stages.append(quant.Quantizer(bits[0], seed=seed, compile=compile, kernels=kernels))
-    swapper = swap.Swapper(prefetch=prefetch) if "swap" in parts else None
+    # the paper's GACT (kernels "gact") copied only a quantized tensor's codes to the host
+    swapper = swap.Swapper(prefetch=prefetch, codes_only=bool(bits) and kernels == "gact") if "swap" in parts else None
     if swapper is not None:
         stages.append(swapper)
     if stages:
-        handle.hooks = _SavedTensors(stages, module)
+        handle.hooks = _SavedTensors(stages, module, saved_once=saved_once)
 
     # 1. checkpointing decides what is saved at all; it replaces the blocks
     run_blocks = list(blocks)
@@ -321,10 +325,12 @@ def _watch_attention(module: nn.Module, hooks: "_SavedTensors") -> list:
 
 
 class _SavedTensors:
-    """The composed pack/unpack pair: model state passes, duplicates pack once, stages in order."""
+    """The composed pack/unpack pair: model state passes, duplicates pack once (`saved_once`; False: once
+    per save, as GACT's controller did), stages in order."""
 
-    def __init__(self, stages: list, module: nn.Module):
+    def __init__(self, stages: list, module: nn.Module, *, saved_once: bool = True):
         self.stages = stages
+        self.saved_once = saved_once
         # parameters and buffers stay resident whatever a MOM does: packing or
         # moving them would only add a copy. Collected once, at apply time.
         self._state = {t.untyped_storage()._cdata for t in [*module.parameters(), *module.buffers()]}
@@ -352,7 +358,7 @@ class _SavedTensors:
         # linear layer's reshaped input) are then one entry, packed once
         dense = _memory_order(x)
         target = x if dense is None else dense
-        key = _key(x, dense is not None)
+        key = _key(x, dense is not None) if self.saved_once else None
         entries = self._cache.get(key[0]) if key is not None else None
         if entries is not None and key[1] in entries:
             h = entries[key[1]]

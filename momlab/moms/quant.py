@@ -93,7 +93,7 @@ class Packed(NamedTuple):
     """A saved tensor in packed form; its tensors are all that is stored."""
 
     data: torch.Tensor  # uint8: bit-packed codes (bits 8/4/2) or mask bits (bits 1)
-    meta: torch.Tensor | None  # META_DTYPE [groups, 2]: (min, scale) per group; None for masks
+    meta: torch.Tensor | None  # [groups, 2]: (min, scale) per group, META_DTYPE (GACT: the tensor's dtype); None: masks
     shape: tuple
     dtype: torch.dtype
     bits: int
@@ -218,12 +218,13 @@ def _done() -> None:
 
 
 def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = None,
-             encode=_encode) -> Packed:
+             encode=_encode, meta_dtype: torch.dtype = META_DTYPE) -> Packed:
     """Pack a floating-point tensor into `bits`-bit codes (stochastic rounding).
 
     The flat tensor is padded to a whole number of 256-value groups with its
     own last value (so padding never widens a group's range); the codes take
-    ``ceil(n / 256) * 256 * bits / 8`` bytes and the metadata 8 bytes a group.
+    ``ceil(n / 256) * 256 * bits / 8`` bytes and the metadata, a minimum and a
+    scale in `meta_dtype`, 8 bytes a group in the default fp32.
 
     >>> p = quantize(torch.randn(4096), 4)
     >>> packed_bytes(p) == 4096 // 2 + 16 * 8
@@ -238,7 +239,7 @@ def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = 
         n = flat.numel()
         groups = -(-n // GROUP_SIZE)
         data = torch.empty(groups * GROUP_SIZE * bits // 8, dtype=torch.uint8, device=x.device)
-        meta = torch.empty(groups, 2, dtype=META_DTYPE, device=x.device)
+        meta = torch.empty(groups, 2, dtype=meta_dtype, device=x.device)
         folded = _folded(n)
         for start in _passes(n):
             chunk = flat[start:start + CHUNK].float()
@@ -353,8 +354,10 @@ class Quantizer:
             return x
         encode, _ = self._program(x.device)
         generator = self._generator(x.device)
-        return self._run(lambda t, e: quantize(t, self.bits, generator=generator, encode=e), x, encode, x.numel(),
-                         x.element_size(), self.bits, 0)
+        # GACT kept a group's minimum and scale in the tensor's own dtype (its kernels take fp16 and fp32)
+        meta = x.dtype if self.kernels == "gact" and x.dtype in (torch.float16, torch.float32) else META_DTYPE
+        return self._run(lambda t, e: quantize(t, self.bits, generator=generator, encode=e, meta_dtype=meta), x,
+                         encode, x.numel(), x.element_size(), self.bits, 0)
 
     def _unpack(self, h):
         if not isinstance(h, Packed):

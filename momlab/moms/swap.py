@@ -41,6 +41,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from momlab.accounting import host_allocation
 from momlab.device import is_oom
 from momlab.errors import HostOutOfMemory
+from momlab.moms.quant import Packed
 
 __all__ = ["Swapper"]
 
@@ -64,18 +65,29 @@ class Swapper:
     Parameters: `prefetch` (CUDA): start copying block i-1's tensors back when
     block i's backward begins; False fetches each tensor on demand.
     `pack` takes a tensor or any pytree of tensors (e.g. a quantized tensor's
-    codes and metadata) and moves every tensor in it.
+    codes and metadata) and moves every tensor in it; with `codes_only`, only
+    the codes of a quantized tensor (`momlab.moms.quant.Packed`, bits > 1) move
+    and everything else stays on the device: its minimum and scale, 1-bit
+    dropout masks, tensors left unquantized. That is what the paper's GACT
+    quantize+swap kept (gact/quantizer.py: after quantizing, only the packed
+    codes are copied to pinned host memory; masks and unquantized tensors
+    return before that copy).
     """
 
-    def __init__(self, *, prefetch: bool = True):
+    def __init__(self, *, prefetch: bool = True, codes_only: bool = False):
         self.prefetch = prefetch
+        self.codes_only = codes_only
         self._block: int | None = None  # the block whose forward is running
         self._by_block: dict[int, list] = defaultdict(list)  # weak refs to its _OnHost items
         self._streams: dict[tuple, torch.cuda.Stream] = {}
 
     # -- saved-tensor hooks ---------------------------------------------------
     def pack(self, obj):
-        return tree_map_only(torch.Tensor, self._to_host, obj)
+        if not self.codes_only:
+            return tree_map_only(torch.Tensor, self._to_host, obj)
+        if isinstance(obj, Packed) and obj.bits > 1:
+            return obj._replace(data=self._to_host(obj.data))
+        return obj
 
     def unpack(self, obj):
         return tree_map_only(_OnHost, self._to_device, obj)

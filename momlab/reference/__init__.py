@@ -342,7 +342,9 @@ def paper_memory_per_sample(model: str = "bert-large", precision: str | None = N
     the model's headline precision or `precision`).
 
     Columns: model, mom, bytes_per_sample, intercept_bytes, batches (the
-    number of runs fitted). The paper quotes BERT-L in "MB" that are
+    number of runs fitted), activation_per_sample (the same slope of
+    ``activation_bytes``, what the step kept at the end of forward; NaN where
+    fewer than two runs recorded it). The paper quotes BERT-L in "MB" that are
     thousandths of a GiB (its code divides by 1024**3): exact 204, ckpt 20.8,
     quant4 43.5, quant4+ckpt 8.3 == bytes_per_sample / 2**30 * 1000.
     """
@@ -360,8 +362,11 @@ def paper_memory_per_sample(model: str = "bert-large", precision: str | None = N
             continue
         slope, intercept = np.polyfit(g["batch_size"].astype(float),
                                       g["peak_bytes"].astype(float), 1)
+        act = g[g["activation_bytes"].notna()]
+        act_slope = (np.polyfit(act["batch_size"].astype(float), act["activation_bytes"].astype(float), 1)[0]
+                     if act["batch_size"].nunique() >= 2 else np.nan)
         rows.append({"model": model, "mom": mom, "bytes_per_sample": slope,
-                     "intercept_bytes": intercept, "batches": len(g)})
+                     "intercept_bytes": intercept, "batches": len(g), "activation_per_sample": act_slope})
     return _order(pd.DataFrame(rows))
 
 
