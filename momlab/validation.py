@@ -410,6 +410,10 @@ def ratio_text(table: pd.DataFrame) -> str:
 
 # -- memory: maximum batch, breakdowns, per-sample slopes --------------------------------------
 
+# the models the paper swept memory against batch size for, at their headline precision (`slope_table`)
+SLOPE_MODELS = ("bert-large", "resnet50", "swin-large", "wide-resnet50-2")
+
+
 def paper_headroom(models=None, *, precision: str | None = None) -> pd.DataFrame:
     """Where each of the paper's one-V100 runs stopped, against where its own peak records fill the card.
 
@@ -588,7 +592,7 @@ def breakdown_table(models=None, *, setup: str = SETUP) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def slope_table(models=("bert-large", "resnet50", "swin-large", "wide-resnet50-2"), moms=None, *,
+def slope_table(models=SLOPE_MODELS, moms=None, *,
                 setup: str = SETUP, precision: str | None = None) -> pd.DataFrame:
     """Peak bytes per extra sample: the paper's least-squares slope over its memory sweep vs the
     predicted peak's slope over the same batch range, at each model's headline precision or `precision`;

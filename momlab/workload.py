@@ -87,6 +87,11 @@ ADAMW = {"lr": 1e-4, "weight_decay": 0.01}
 # the paper's code that checkpointed with torch 1.x's reentrant checkpoint (transformers 4.x's BERT, Microsoft's
 # Swin, fairseq's GPT); its ResNet "ckpt" was DTR, another system
 _PAPER_REENTRANT = ("bert", "swin", "gpt")
+# the paper's sweeps whose quantizer packed a tensor saved several times once: its earlier BERT-L runs in fp32
+# (March to May 2022, `momlab.reference.OTHER_PRECISIONS`) ran GACT's development controller (GACT-ICML
+# actnn/actnn/quantizer.py: a contiguous saved tensor keyed by its content, packed once; fp32 only); its later
+# runs the gact package, which keys every save apart (`Stack.saved_once`)
+_PAPER_SAVED_ONCE = {"bert": ("fp32",)}
 # the paper's scripts that timed less than a step (GACT-ICML benchmark/text_classification/run_glue.py)
 _PAPER_TIMED = {"bert": "forward-backward"}
 SGD = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4}
@@ -145,17 +150,20 @@ class Stack:
     # only the codes go to the host: `momlab.moms.swap.Swapper`'s ``codes_only``)
     quantizer: str = "momlab"
     # a tensor that several ops save (ResNet's in-place ReLU output: the ReLU's and the next convolution's) is packed
-    # (quantized, swapped) once, as momlab's hooks do; False: once per save, as GACT's controller did for the paper
-    # (gact/conf.py ``check_dup = False``, its default: every save gets its own key, its own packed copy, and is
-    # unpacked on its own in backward)
+    # (quantized, swapped) once, as momlab's hooks do; False: once per save, as GACT's controller did for the paper's
+    # later runs (gact/conf.py ``check_dup = False``, its default: every save gets its own key, its own packed copy,
+    # and is unpacked on its own in backward; its earlier ones: `_PAPER_SAVED_ONCE`)
     saved_once: bool = True
 
 
-def stack(model: str, setup: str = "default", attention: str | None = None) -> Stack:
-    """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention.
+def stack(model: str, setup: str = "default", attention: str | None = None, precision: str | None = None) -> Stack:
+    """The stack `setup` gives `model`, with `attention` (eager, sdpa) overriding its attention; `precision`:
+    the one it trains in, where the paper's stack differed by precision (`_PAPER_SAVED_ONCE`).
 
     >>> stack("bert-large", "paper")
     Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None, checkpoint='reentrant', hooks='step', softmax_saves_input=True, extended_mask=True, quantizer='gact', saved_once=False)
+    >>> stack("bert-large", "paper", precision="fp32").saved_once  # the paper's earlier fp32 runs
+    True
     >>> stack("gpt3-small", "paper").mixed
     'half-model'
     >>> stack("gpt3-small", attention="eager").optimizer
@@ -182,7 +190,7 @@ def stack(model: str, setup: str = "default", attention: str | None = None) -> S
                  checkpoint="reentrant" if paper and family in _PAPER_REENTRANT else "non-reentrant",
                  hooks="step" if paper else "forward", softmax_saves_input=paper,
                  extended_mask=paper and family == "bert", quantizer="gact" if paper else "momlab",
-                 saved_once=not paper)
+                 saved_once=not paper or precision in _PAPER_SAVED_ONCE.get(family, ()))
 
 
 @dataclass
@@ -347,10 +355,10 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     """Build `model` (a catalog name, transformers config or `momlab.UserModel`) at `size` with `mom`
     applied, ready to `.step()`; `setup` and `attention` pick the software stack (`stack`)."""
     model = resolve(model)
-    st = stack(model, setup, attention)
+    check_choice("precision", precision, PRECISIONS)
+    st = stack(model, setup, attention, precision)
     size = catalog.resolve_size(model, size)
     check_batch_size(batch_size)
-    check_choice("precision", precision, PRECISIONS)
     mom = parse_mom(mom)
     dev = check_device(device)
 
