@@ -42,9 +42,8 @@ def main() -> int:
     cal = out["calibration"]
     print(f"calibration of {validation.GPU}: {cal.describe()}")
     by_model = collections.defaultdict(list)
-    for label, r in zip(cal.fitted_on, cal.residuals):
-        name, prec = label.split()[:2]  # "bert-large[num_layers=30] fp16 batch 28": the depth study's
-        by_model[f"{name.split('[')[0]} {prec}{' depth study' if '[' in name else ''}"].append(r)
+    for curve, r in zip(cal.curves, cal.residuals):  # the curves the fit weighed alike
+        by_model[curve].append(r)
     for model, rs in by_model.items():
         print(f"  {model:33s} {len(rs):3d} Exact runs, residual median {np.median(rs):+.3f} "
               f"(range {min(rs):+.3f} .. {max(rs):+.3f})")

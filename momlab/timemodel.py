@@ -350,7 +350,8 @@ class Calibration:
     (``source`` says which files, ``fitted_on`` which configurations,
     ``fitted`` which parameters they determined; the others kept defaults);
     False: defaults. ``residuals``: (predicted - measured) / measured per
-    record of ``fitted_on``; ``error``: their median absolute value.
+    record of ``fitted_on``; ``error``: their median absolute value;
+    ``curves``: the curve each of them belongs to in the fit.
     """
 
     gpu: str
@@ -366,6 +367,7 @@ class Calibration:
     fitted_on: tuple = ()
     residuals: tuple = ()
     kernel_s: float = 0.0
+    curves: tuple = ()  # per record of ``fitted_on``, the curve it weighed in (`fit_gpu`'s ``groups``)
 
     def params(self) -> dict:
         return {**self.compute_efficiency, "memory": self.memory_efficiency, "launch": self.launch_s,
@@ -660,7 +662,7 @@ def fit_gpu(g: Gpu, probes, measured, labels=(), source: str = "", syncs=None, w
     main = max(PARAMS[:3], key=lambda k: shares[k])
     return _with_params(g, params, efficiency=params[main], source=source, records=len(probes),
                         error=float(np.median(np.abs(res))), fitted=fitted, fitted_on=tuple(labels),
-                        residuals=tuple(float(r) for r in res))
+                        residuals=tuple(float(r) for r in res), curves=() if groups is None else tuple(groups))
 
 
 def _ideal(model, mom, precision, size, batch_size, gpu, trace, tf32=False, setup="default") -> tuple[float, int]:

@@ -516,3 +516,5 @@ def test_v100_calibration_on_the_paper_exact_runs_is_physical():
     # BERT-L's fp32 Exact curve is the paper's only fp32 matmul one: it fits their efficiency
     assert "fp32" in cal.fitted and any(label.startswith("bert-large fp32") for label in cal.fitted_on)
     assert any(label.startswith("bert-large[num_layers=42] fp16") for label in cal.fitted_on)
+    # each residual's curve, as the fit weighed them (bench_paper_v100 reports the residuals per curve)
+    assert len(cal.curves) == len(cal.residuals) and cal.curves.count("bert-large fp16 depth study") == 47
