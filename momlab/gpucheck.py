@@ -23,7 +23,16 @@ script itself is tested on every `make test`):
 6. ddp and fsdp on one rank (nccl on CUDA).
 7. estimate against measure for phase 3's configurations: error per field, and
    the replayed caching allocator's reserved peak against the measured one.
-8. the paper's headline S1 sweep (bert-large fp16, 16 GiB, exact, quant4,
+8. the paper's vision script's first step: resnet50 fp32 in the paper's
+   setup, exact and swap at two batch sizes each, with cuDNN's algorithm
+   search off and on (``torch.backends.cudnn.benchmark``; GACT-ICML
+   benchmark/vision/train.py turns it on and records memory in its first
+   step, where the search allocates workspaces through the caching
+   allocator): the first step's peak (CUDA only) and measure's (after a
+   warm-up: the chosen algorithms' workspaces) against the predicted one,
+   and the per-sample slopes (the paper's ResNet swap rows peak ~3 MB a
+   sample over the prediction; docs/LOG.md 2026-12-06 23:30).
+9. the paper's headline S1 sweep (bert-large fp16, 16 GiB, exact, quant4,
    ckpt, ckpt-auto, cheapest first) into a results store notebooks 02 and
    04 read.
 
@@ -71,6 +80,9 @@ class Plan:
     s1_step: int
     s1_steps: int
     phase_s: dict = field(default_factory=dict)  # seconds each phase may take
+    # phase 8: model, size, precision, and per MOM the two batch sizes of its first steps (every MOM its own
+    # sizes: cuDNN searches a convolution's algorithms once per shape and process)
+    vision: dict = field(default_factory=dict)
 
 
 def plan(device: str, dry_run: bool) -> Plan:
@@ -83,13 +95,17 @@ def plan(device: str, dry_run: bool) -> Plan:
                      "budget": 48 * MiB}, oom_batch=4096, auto_batch=64,
                     s1_moms=("exact", "quant4", "ckpt", "ckpt-auto"), s1_step=16, s1_steps=1,
                     # the S1 sweep takes ~100 s of a quiet 2-core machine: room for a loaded one
-                    phase_s={**dict.fromkeys(range(1, 8), 120.0), 8: 300.0})
+                    phase_s={**dict.fromkeys(range(1, 9), 120.0), 9: 300.0},
+                    vision={"model": "resnet50", "size": catalog.tiny("resnet50"), "precision": "fp32",
+                            "batches": {"exact": (2, 4), "swap": (3, 5)}})
     return Plan(device, ("bert-base", "gpt2", "resnet50"), ("fp32", "fp16", "bf16"), GiB,
                 {"model": "bert-large", "size": {"seq_len": 128}, "precision": "fp16", "batch_size": 32,
                  "budget": 16 * GiB}, oom_batch=4096, auto_batch=256,
                 s1_moms=("exact", "quant4", "ckpt", "ckpt-auto"), s1_step=4, s1_steps=3,
                 # seconds per phase; the S1 sweep gets what is left (its store resumes on a rerun)
-                phase_s={1: 20, 2: 100, 3: 70, 4: 30, 5: 45, 6: 40, 7: 45})
+                phase_s={1: 20, 2: 100, 3: 70, 4: 30, 5: 45, 6: 40, 7: 45, 8: 60},
+                vision={"model": "resnet50", "size": {}, "precision": "fp32",
+                        "batches": {"exact": (16, 32), "swap": (24, 40)}})
 
 
 def all_moms() -> list[str]:
@@ -164,10 +180,12 @@ class Check:
 
         return torch.cuda.memory_allocated() if self.cuda else 0
 
-    def measure(self, phase: str, model: str, mom: str, **kw):
+    def measure(self, phase: str, model: str, mom: str, tags: dict | None = None, **kw):
+        """momlab.measure on the check's device, recorded with `tags` added to its options."""
         import momlab
 
         m = momlab.measure(model, mom, device=self.plan.device, **kw)
+        m.options.update(tags or {})
         self.ev.measurement(phase, m)
         return m
 
@@ -342,6 +360,85 @@ def _phase_estimate(c: Check) -> None:
     c.ev.check("estimate", "estimates written", path.stat().st_size > 0, gpu=gpu)
 
 
+def _first_step_peak(v: dict, mom: str, batch: int) -> int:
+    """The first step's peak allocated bytes on CUDA, the model's and its batch's included (a fresh workload:
+    cuDNN's search, when on, runs in it; what measure's probe step, after its warm-up, never sees)."""
+    import gc
+
+    import torch
+
+    from momlab.workload import build
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    w = build(v["model"], batch_size=batch, mom=mom, device="cuda", precision=v["precision"], setup="paper",
+              **v["size"])
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        w.step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - baseline
+    finally:
+        del w
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _phase_vision(c: Check) -> None:
+    import torch
+
+    from momlab import gpus
+    from momlab.estimate import estimate
+
+    v = c.plan.vision
+    gpu = gpus.for_device_name(torch.cuda.get_device_name()) if c.cuda else "cpu"
+    head = (f"## Phase 8: {v['model']} {v['precision']}, the paper's setup, cuDNN's algorithm search off and on: "
+            "the first step's peak (CUDA only) and the measured one after a warm-up, against the prediction")
+    rows = ["| MOM | batch | cudnn.benchmark | first step MiB | peak MiB | reserved MiB | predicted MiB | error |",
+            "|---|---|---|---|---|---|---|---|"]
+    points: dict = {}
+
+    def table(slopes=()):
+        c.tables[:] = [t for t in c.tables if not t.startswith("## Phase 8")] + ["\n".join([head, "", *rows,
+                                                                                            *slopes])]
+
+    before = torch.backends.cudnn.benchmark
+    try:
+        for search in (False, True):  # off first: with it on, cuDNN keeps what it found for each shape
+            torch.backends.cudnn.benchmark = search
+            for mom, batches in v["batches"].items():
+                for b in batches:
+                    # a fresh workload's first step has the search (each MOM its own sizes: once a shape)
+                    first = _first_step_peak(v, mom, b) if c.cuda else None
+                    m = c.measure("vision", v["model"], mom, {"cudnn_benchmark": search}, batch_size=b,
+                                  precision=v["precision"], setup="paper", steps=1, **v["size"])
+                    if not c.ev.check("vision", f"{mom} batch {b} cudnn.benchmark={search} fits", m.fits,
+                                      error=m.error, first_step_peak=first):
+                        continue
+                    pred = estimate(v["model"], mom, batch_size=b, gpu=gpu, precision=v["precision"],
+                                    setup="paper", **v["size"]).peak_bytes
+                    points[(mom, search, b)] = (first, m.peak_bytes, pred)
+                    rows.append(f"| {mom} | {b} | {search} | {first / MiB if first else math.nan:.0f} | "
+                                f"{m.peak_bytes / MiB:.0f} | {(m.reserved_peak_bytes or 0) / MiB:.0f} | "
+                                f"{pred / MiB:.0f} | {pred / m.peak_bytes - 1:+.3f} |")
+                    table()
+    finally:
+        torch.backends.cudnn.benchmark = before
+    slopes = ["", "| MOM | cudnn.benchmark | first step MiB a sample | measured MiB a sample | "
+              "predicted MiB a sample |", "|---|---|---|---|---|"]
+    for mom, (lo, hi) in v["batches"].items():
+        for search in (False, True):
+            if (mom, search, lo) in points and (mom, search, hi) in points:
+                d = (hi - lo) * MiB
+                (f0, m0, p0), (f1, m1, p1) = points[(mom, search, lo)], points[(mom, search, hi)]
+                first = (f1 - f0) / d if f0 is not None and f1 is not None else math.nan
+                slopes.append(f"| {mom} | {search} | {first:.2f} | {(m1 - m0) / d:.2f} | {(p1 - p0) / d:.2f} |")
+    table(slopes)
+    c.ev.check("vision", "cudnn.benchmark as it was before the phase", torch.backends.cudnn.benchmark == before)
+
+
 def _phase_s1(c: Check) -> None:
     from momlab.sweep import sweep
 
@@ -356,7 +453,7 @@ def _phase_s1(c: Check) -> None:
             lock.unlink()
     c.ev.check("s1", "the S1 sweep recorded points", len(df) > 0, points=len(df), store=str(store))
     if len(df):
-        c.tables.append("## Phase 8: S1 sweep\n\n" + _s1_text(df))
+        c.tables.append("## Phase 9: S1 sweep\n\n" + _s1_text(df))
 
 
 def _s1_text(df) -> str:
@@ -371,7 +468,8 @@ def _s1_text(df) -> str:
 PHASES = (("1 environment", _phase_env), ("2 tiny models, every MOM", _phase_tiny),
           ("3 real size, every MOM", _phase_big), ("4 OOM and leaks", _phase_oom),
           ("5 ckpt-auto beyond exact", _phase_auto), ("6 ddp/fsdp on one rank", _phase_ranks),
-          ("7 estimate vs measure", _phase_estimate), ("8 S1 sweep", _phase_s1))
+          ("7 estimate vs measure", _phase_estimate), ("8 the paper's vision first step", _phase_vision),
+          ("9 S1 sweep", _phase_s1))
 
 
 def _alarm(signum, frame):

@@ -241,9 +241,15 @@ def test_gpu_check_dry_run_proves_every_phase(tmp_path):
     invariants = [json.loads(line) for line in (out / "invariants.jsonl").read_text().splitlines()]
     assert invariants and all(i["ok"] for i in invariants)
     phases = {i["phase"] for i in invariants}
-    assert {"tiny", "big", "oom", "ckpt-auto", "ranks", "estimate", "s1"} <= phases
+    assert {"tiny", "big", "oom", "ckpt-auto", "ranks", "estimate", "vision", "s1"} <= phases
     summary = (out / "summary.md").read_text()
-    assert summary.count("| done |") == 8 and "0 failed" in summary
+    assert summary.count("| done |") == 9 and "0 failed" in summary
+    # the paper's vision first step: every point measured and predicted, both ways of choosing cuDNN's algorithms
+    vision = summary.split("## Phase 8")[1].split("## Phase 9")[0]
+    assert vision.count("| exact |") == vision.count("| swap |") == 6, vision  # 4 points and 2 slopes each
+    measured = [json.loads(line) for line in (out / "measurements.jsonl").read_text().splitlines()]
+    searched = sorted(m["options"]["cudnn_benchmark"] for m in measured if m["phase"] == "vision")
+    assert searched == [False] * 4 + [True] * 4
     moms = {json.loads(line)["mom"] for line in (out / "measurements.jsonl").read_text().splitlines()}
     assert set(momlab.moms()) <= moms
     s1 = momlab.results.load(out / "s1.jsonl")
