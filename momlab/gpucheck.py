@@ -10,7 +10,9 @@ Phases (``--dry-run --device cpu`` runs the same phases at tiny sizes, so the
 script itself is tested on every `make test`):
 
 1. environment: versions, device, allocator facts (context outside the
-   allocator, configuration), an indexed device accepted by the cap.
+   allocator, configuration, the host time to reserve a segment on an
+   empty cache and to take one from it), an indexed device accepted by
+   the cap.
 2. tiny: every MOM (and the paper's combinations) on tiny models under a
    1 GiB budget in fp32/fp16/bf16: fits, allocated and reserved peaks at
    most the budget, device memory back to its baseline after each,
@@ -212,9 +214,41 @@ def _phase_env(c: Check) -> None:
         except Exception as e:  # noqa: BLE001
             ok, err = False, repr(e)
         c.ev.check("env", "set_per_process_memory_fraction accepts the device", ok, error=err)
+        try:  # a fact, not an invariant: its failure must not cost env.json
+            facts["segment_reserve_s"] = _segment_reserve_s(d)
+        except Exception as e:  # noqa: BLE001
+            facts["segment_reserve_s"] = {"error": repr(e)}
     env["facts"] = facts
     c.header.update(env)
     c.ev.write("env.json", env)
+
+
+def _segment_reserve_s(d, n: int = 16) -> dict:
+    """Host seconds to reserve one caching-allocator segment on an empty cache (a ``cudaMalloc``) and to take the
+    same block from the cache, per size: what a training loop that empties the cache every step (the paper's
+    Swin main.py, docs/LOG.md 2026-12-06 23:00) pays for each segment it reserves again."""
+    import gc
+
+    import torch
+
+    out = {}
+    for mib in (20, 200):
+        times = {}
+        for fresh in (True, False):
+            blocks = []
+            if fresh:
+                gc.collect()
+                torch.cuda.empty_cache()
+            torch.cuda.synchronize(d)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                blocks.append(torch.empty(mib * MiB, dtype=torch.uint8, device=d))
+            torch.cuda.synchronize(d)
+            times["reserve" if fresh else "cached"] = (time.perf_counter() - t0) / n
+            del blocks
+        out[f"{mib}MiB"] = times
+    torch.cuda.empty_cache()
+    return out
 
 
 def _judge_fit(c: Check, phase: str, label: str, m, budget: int, baseline: int) -> None:
