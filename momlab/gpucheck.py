@@ -63,6 +63,12 @@ MiB = 1 << 20
 COMBINATIONS = ("quant4+ckpt", "quant4+swap", "swap+ckpt", "quant4+ckpt-auto")
 
 
+def _error_text(exc: BaseException) -> str:
+    """An exception as evidence: its type and the first line of its message (at most 200 characters)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:200] if lines else ''}"
+
+
 class _Deadline(BaseException):
     """The phase's (or the whole check's) time is up; BaseException so no `except Exception` swallows it."""
 
@@ -227,9 +233,9 @@ def _segment_reserve_s(d, n: int = 16) -> dict:
     """Host seconds to reserve one caching-allocator segment on an empty cache (a ``cudaMalloc``) and to take the
     same block from the cache, per size: what a training loop that empties the cache every step (the paper's
     Swin main.py, docs/LOG.md 2026-12-06 23:00) pays for each segment it reserves again."""
-    import gc
-
     import torch
+
+    from momlab.device import empty_cache
 
     out = {}
     for mib in (20, 200):
@@ -237,8 +243,7 @@ def _segment_reserve_s(d, n: int = 16) -> dict:
         for fresh in (True, False):
             blocks = []
             if fresh:
-                gc.collect()
-                torch.cuda.empty_cache()
+                empty_cache(d)
             torch.cuda.synchronize(d)
             t0 = time.perf_counter()
             for _ in range(n):
@@ -247,7 +252,7 @@ def _segment_reserve_s(d, n: int = 16) -> dict:
             times["reserve" if fresh else "cached"] = (time.perf_counter() - t0) / n
             del blocks
         out[f"{mib}MiB"] = times
-    torch.cuda.empty_cache()
+    empty_cache(d)
     return out
 
 
@@ -374,7 +379,7 @@ def _phase_estimate(c: Check) -> None:
                              budget=m.budget, **m.size)
             except Exception as exc:  # noqa: BLE001 - an estimate that cannot be made is a row, not a stop
                 w.writerow([m.model, mom, m.batch_size, m.precision, gpu, "", "", "", "",
-                            f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"])
+                            f"error: {_error_text(exc)}"])
                 continue
             pairs = [(name, getattr(m, name), getattr(e, name), "") for name in fields]
             if c.cuda and m.reserved_peak_bytes:
@@ -386,7 +391,7 @@ def _phase_estimate(c: Check) -> None:
                                   f"replay fits={ec.fits}"))
                 except Exception as exc:  # noqa: BLE001
                     pairs.append(("reserved_peak_bytes", m.reserved_peak_bytes, math.nan,
-                                  f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"))
+                                  f"error: {_error_text(exc)}"))
             for name, want, got, note in pairs:
                 err = (got - want) / want if want else math.nan
                 w.writerow([m.model, mom, m.batch_size, m.precision, gpu, name, want, got, f"{err:.4f}", note])
@@ -397,14 +402,13 @@ def _phase_estimate(c: Check) -> None:
 def _first_step_peak(v: dict, mom: str, batch: int) -> int:
     """The first step's peak allocated bytes on CUDA, the model's and its batch's included (a fresh workload:
     cuDNN's search, when on, runs in it; what measure's probe step, after its warm-up, never sees)."""
-    import gc
-
     import torch
 
+    from momlab.device import empty_cache
     from momlab.workload import build
 
-    gc.collect()
-    torch.cuda.empty_cache()
+    cuda = torch.device("cuda")
+    empty_cache(cuda)
     baseline = torch.cuda.memory_allocated()
     w = build(v["model"], batch_size=batch, mom=mom, device="cuda", precision=v["precision"], setup="paper",
               **v["size"])
@@ -416,8 +420,7 @@ def _first_step_peak(v: dict, mom: str, batch: int) -> int:
         return torch.cuda.max_memory_allocated() - baseline
     finally:
         del w
-        gc.collect()
-        torch.cuda.empty_cache()
+        empty_cache(cuda)
 
 
 def _phase_vision(c: Check) -> None:
@@ -456,7 +459,7 @@ def _phase_vision(c: Check) -> None:
                                         setup="paper", **v["size"]).peak_bytes
                     except Exception as exc:  # noqa: BLE001
                         c.ev.check("vision", f"{mom} batch {b} estimated", False,
-                                   error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                                   error=_error_text(exc))
                         pred = math.nan
                     points[(mom, search, b)] = (first, m.peak_bytes, pred)
                     rows.append(f"| {mom} | {b} | {search} | {first / MiB if first else math.nan:.0f} | "
@@ -539,7 +542,7 @@ def run(out, *, device: str = "cuda", dry_run: bool = False, time_limit_s: float
             except _Deadline:
                 status = "stopped at its time limit"
             except Exception as exc:  # noqa: BLE001 - a broken phase is evidence; the next phase still runs
-                status = f"error: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                status = f"error: {_error_text(exc)}"
                 c.ev.check(name, "phase ran without an exception", False,
                            traceback="".join(traceback.format_exception(exc))[-3000:])
             finally:
