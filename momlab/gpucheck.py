@@ -34,7 +34,15 @@ script itself is tested on every `make test`):
    warm-up: the chosen algorithms' workspaces) against the predicted one,
    and the per-sample slopes (the paper's ResNet swap rows peak ~3 MB a
    sample over the prediction; docs/LOG.md 2026-12-06 22:57).
-9. the paper's headline S1 sweep (bert-large fp16, 16 GiB, exact, quant4,
+9. the paper's stack on this GPU: bert-large, gpt3-small and swin-large in
+   the paper's setup (``setup="paper"``: eager attention, torch 1.10's
+   softmax keeping its input, BERT's fp32 mask, fairseq's half model, Swin's
+   DDP buckets, GACT's quantizer), a few MOMs at two batch sizes each,
+   measured against the estimate of the same configuration: peak and
+   activation per point, per-sample slopes beside the paper's V100 slopes.
+   It separates what momlab's trace of that stack gets wrong on CUDA from
+   what the paper's 2022 software did differently (issue 13's misses).
+10. the paper's headline S1 sweep (bert-large fp16, 16 GiB, exact, quant4,
    ckpt, ckpt-auto, cheapest first) into a results store notebooks 02 and
    04 read.
 
@@ -91,6 +99,8 @@ class Plan:
     # phase 8: model, size, precision, and per MOM the two batch sizes of its first steps (every MOM its own
     # sizes: cuDNN searches a convolution's algorithms once per shape and process)
     vision: dict = field(default_factory=dict)
+    # phase 9: per model (its precision, size, and per MOM the two batch sizes measured and estimated)
+    paper: dict = field(default_factory=dict)
 
 
 def plan(device: str, dry_run: bool) -> Plan:
@@ -103,17 +113,24 @@ def plan(device: str, dry_run: bool) -> Plan:
                      "budget": 48 * MiB}, oom_batch=4096, auto_batch=64,
                     s1_moms=("exact", "quant4", "ckpt", "ckpt-auto"), s1_step=16, s1_steps=1,
                     # the S1 sweep takes ~100 s of a quiet 2-core machine: room for a loaded one
-                    phase_s={**dict.fromkeys(range(1, 9), 120.0), 9: 300.0},
+                    phase_s={**dict.fromkeys(range(1, 10), 120.0), 10: 300.0},
                     vision={"model": "resnet50", "size": catalog.tiny("resnet50"), "precision": "fp32",
-                            "batches": {"exact": (2, 4), "swap": (3, 5)}})
+                            "batches": {"exact": (2, 4), "swap": (3, 5)}},
+                    paper={"bert-large": ("fp16", catalog.tiny("bert-large"), {"exact": (2, 4), "quant4": (2, 4)}),
+                           "gpt3-small": ("fp16", catalog.tiny("gpt3-small"), {"exact": (2, 4)}),
+                           "swin-large": ("fp16", catalog.tiny("swin-large"), {"exact": (2, 4), "ckpt": (2, 4)})})
     return Plan(device, ("bert-base", "gpt2", "resnet50"), ("fp32", "fp16", "bf16"), GiB,
                 {"model": "bert-large", "size": {"seq_len": 128}, "precision": "fp16", "batch_size": 32,
                  "budget": 16 * GiB}, oom_batch=4096, auto_batch=256,
                 s1_moms=("exact", "quant4", "ckpt", "ckpt-auto"), s1_step=4, s1_steps=3,
                 # seconds per phase; the S1 sweep gets what is left (its store resumes on a rerun)
-                phase_s={1: 20, 2: 100, 3: 70, 4: 30, 5: 45, 6: 40, 7: 45, 8: 60},
+                phase_s={1: 20, 2: 100, 3: 70, 4: 30, 5: 45, 6: 40, 7: 45, 8: 60, 9: 60},
                 vision={"model": "resnet50", "size": {}, "precision": "fp32",
-                        "batches": {"exact": (16, 32), "swap": (24, 40)}})
+                        "batches": {"exact": (16, 32), "swap": (24, 40)}},
+                # the paper's sizes (catalog defaults); small batches: the slope needs two points, not a full card
+                paper={"bert-large": ("fp16", {}, {"exact": (4, 8), "ckpt": (8, 16), "quant4": (4, 8)}),
+                       "gpt3-small": ("fp16", {}, {"exact": (1, 2)}),
+                       "swin-large": ("fp16", {}, {"exact": (2, 4), "ckpt": (4, 8)})})
 
 
 def all_moms() -> list[str]:
@@ -481,6 +498,63 @@ def _phase_vision(c: Check) -> None:
     c.ev.check("vision", "cudnn.benchmark as it was before the phase", torch.backends.cudnn.benchmark == before)
 
 
+def _phase_paper(c: Check) -> None:
+    """The paper's stack measured on this device against its trace: what momlab's emulation of the 2022 software
+    keeps on real kernels, point by point and per sample, beside the paper's own V100 slopes."""
+    import torch
+
+    from momlab import gpus, reference
+    from momlab.estimate import estimate
+
+    gpu = gpus.for_device_name(torch.cuda.get_device_name()) if c.cuda else "cpu"
+    head = ("## Phase 9: the paper's stack (setup=\"paper\") measured on this device against its estimate, "
+            "and the per-sample slopes beside the paper's V100 ones")
+    rows = ["| model | MOM | batch | peak MiB | predicted | error | activation MiB | predicted | error |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    slopes = ["", "| model | MOM | measured MiB a sample | predicted | the paper's (V100) |", "|---|---|---|---|---|"]
+
+    def table():
+        c.tables[:] = [t for t in c.tables if not t.startswith("## Phase 9")] + ["\n".join([head, "", *rows,
+                                                                                            *slopes])]
+
+    def err(pred, got):
+        return pred / got - 1 if got else math.nan
+
+    for model, (precision, size, moms) in c.plan.paper.items():
+        try:  # the paper's memory sweep of this model, where it ran one (MiB a sample of its peak)
+            paper = reference.paper_memory_per_sample(model).set_index("mom")["bytes_per_sample"] / MiB
+        except ValueError:
+            paper = {}
+        for mom, batches in moms.items():
+            points = {}
+            for b in batches:
+                m = c.measure("paper", model, mom, batch_size=b, precision=precision, setup="paper", steps=1, **size)
+                if not c.ev.check("paper", f"{model} {mom} batch {b} fits", m.fits, error=m.error):
+                    continue
+                try:  # an estimate that cannot be made is a failed invariant and a NaN, not the end of the phase
+                    e = estimate(model, mom, batch_size=b, gpu=gpu, precision=precision, setup="paper", **size)
+                    pred = (e.peak_bytes, e.activation_bytes)
+                except Exception as exc:  # noqa: BLE001
+                    c.ev.check("paper", f"{model} {mom} batch {b} estimated", False, error=_error_text(exc))
+                    pred = (math.nan, math.nan)
+                got = (m.peak_bytes, m.activation_bytes)
+                points[b] = (got, pred)
+                if not c.cuda:  # a CPU step is what its trace is, to the byte; on a GPU the table is the evidence
+                    c.ev.check("paper", f"{model} {mom} batch {b}: the trace is the measurement", got == pred,
+                               measured=got, estimated=pred)
+                rows.append(f"| {model} | {mom} | {b} | {got[0] / MiB:.0f} | {pred[0] / MiB:.0f} | "
+                            f"{err(pred[0], got[0]):+.3f} | {got[1] / MiB:.0f} | {pred[1] / MiB:.0f} | "
+                            f"{err(pred[1], got[1]):+.3f} |")
+                table()
+            if len(points) == 2:
+                (lo, (g0, p0)), (hi, (g1, p1)) = sorted(points.items())
+                d = hi - lo
+                v100 = paper.get(mom, math.nan) if not size else math.nan  # the paper ran its own sizes only
+                slopes.append(f"| {model} | {mom} | {(g1[0] - g0[0]) / d / MiB:.2f} | "
+                              f"{(p1[0] - p0[0]) / d / MiB:.2f} | {v100:.2f} |")
+                table()
+
+
 def _phase_s1(c: Check) -> None:
     from momlab.sweep import sweep
 
@@ -495,7 +569,7 @@ def _phase_s1(c: Check) -> None:
             lock.unlink()
     c.ev.check("s1", "the S1 sweep recorded points", len(df) > 0, points=len(df), store=str(store))
     if len(df):
-        c.tables.append("## Phase 9: S1 sweep\n\n" + _s1_text(df))
+        c.tables.append("## Phase 10: S1 sweep\n\n" + _s1_text(df))
 
 
 def _s1_text(df) -> str:
@@ -511,7 +585,7 @@ PHASES = (("1 environment", _phase_env), ("2 tiny models, every MOM", _phase_tin
           ("3 real size, every MOM", _phase_big), ("4 OOM and leaks", _phase_oom),
           ("5 ckpt-auto beyond exact", _phase_auto), ("6 ddp/fsdp on one rank", _phase_ranks),
           ("7 estimate vs measure", _phase_estimate), ("8 the paper's vision first step", _phase_vision),
-          ("9 S1 sweep", _phase_s1))
+          ("9 the paper's stack, trace vs device", _phase_paper), ("10 S1 sweep", _phase_s1))
 
 
 def _alarm(signum, frame):

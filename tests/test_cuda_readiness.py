@@ -241,15 +241,20 @@ def test_gpu_check_dry_run_proves_every_phase(tmp_path):
     invariants = [json.loads(line) for line in (out / "invariants.jsonl").read_text().splitlines()]
     assert invariants and all(i["ok"] for i in invariants)
     phases = {i["phase"] for i in invariants}
-    assert {"tiny", "big", "oom", "ckpt-auto", "ranks", "estimate", "vision", "s1"} <= phases
+    assert {"tiny", "big", "oom", "ckpt-auto", "ranks", "estimate", "vision", "paper", "s1"} <= phases
     summary = (out / "summary.md").read_text()
-    assert summary.count("| done |") == 9 and "0 failed" in summary
+    assert summary.count("| done |") == 10 and "0 failed" in summary
     # the paper's vision first step: every point measured and predicted, both ways of choosing cuDNN's algorithms
     vision = summary.split("## Phase 8")[1].split("## Phase 9")[0]
     assert vision.count("| exact |") == vision.count("| swap |") == 6, vision  # 4 points and 2 slopes each
     measured = [json.loads(line) for line in (out / "measurements.jsonl").read_text().splitlines()]
     searched = sorted(m["options"]["cudnn_benchmark"] for m in measured if m["phase"] == "vision")
     assert searched == [False] * 4 + [True] * 4
+    # the paper's stack: every planned point measured in that setup and estimated, with a slope per MOM
+    paper = summary.split("## Phase 9")[1].split("## Phase 10")[0]
+    assert all(m["setup"] == "paper" for m in measured if m["phase"] == "paper")
+    assert sum(m["phase"] == "paper" for m in measured) == paper.count("| +0.000 |") // 2 == 10, paper
+    assert paper.count("| swin-large |") == 2 * 2 + 2 and "| gpt3-small | exact |" in paper
     moms = {json.loads(line)["mom"] for line in (out / "measurements.jsonl").read_text().splitlines()}
     assert set(momlab.moms()) <= moms
     s1 = momlab.results.load(out / "s1.jsonl")
