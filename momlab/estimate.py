@@ -479,7 +479,7 @@ class _Tracer(StorageTracker):
 
     def start(self) -> None:
         self.log = {"live": [self.device_bytes], "flops": [], "extra": [], "bytes": [], "fmt": [], "op": [],
-                    "group": [], "group_bytes": [], "pad": [self.padding_bytes]}
+                    "group": [], "group_bytes": [], "group_cycles": [], "pad": [self.padding_bytes]}
         self.group = -1
 
     def stop(self) -> dict:
@@ -539,10 +539,10 @@ class _Tracer(StorageTracker):
         log = self.log
         return [[log[k][n0:] for k in self._COLUMNS], [v - live0 for v in log["live"][n0 + 1:]],
                 [v - pad0 for v in log["pad"][n0 + 1:]], [g - g0 if g >= 0 else g for g in log["group"][n0:]],
-                log["group_bytes"][g0:]]
+                log["group_bytes"][g0:], log["group_cycles"][g0:]]
 
     def _extend(self, entries, live0: int, pad0: int) -> None:
-        columns, live, pad, groups, group_bytes = entries
+        columns, live, pad, groups, group_bytes, group_cycles = entries
         log = self.log
         g0 = len(log["group_bytes"])
         for k, values in zip(self._COLUMNS, columns):
@@ -551,6 +551,7 @@ class _Tracer(StorageTracker):
         log["pad"].extend(pad0 + d for d in pad)
         log["group"].extend(g + g0 if g >= 0 else g for g in groups)
         log["group_bytes"].extend(group_bytes)
+        log["group_cycles"].extend(group_cycles)
 
     def update(self, fn) -> None:
         """`fn()` (the optimizer's update, `Workload.update_hook`), or a replay of the first update this tracer
@@ -573,17 +574,19 @@ class _Tracer(StorageTracker):
                 and set(self._live) == before):
             self._update_entries = self._recorded(n0, g0, live0, pad0)
 
-    def kernel(self, fn, *args, traffic: tuple[float, ...] | None = None):
+    def kernel(self, fn, *args, traffic: tuple[float, ...] | None = None, cycles: tuple[float, ...] | None = None):
         """Run `fn` (a function of tensors a GPU runs as one compiled kernel: quant's encode and decode) and
         log its ops as one group, whose traffic is its tensor arguments and results (`quant.TRACE_KERNEL`).
         `traffic`: the bytes of the kernels a GPU runs for `fn` instead, one group each, in order (the paper's
-        quantizer, `quant.gact_traffic`): the first ones take one op each, the last the rest."""
+        quantizer, `quant.gact_traffic`): the first ones take one op each, the last the rest; `cycles`: the SM
+        cycles of their instructions, in the same order (`quant.gact_cycles`; 0: bound by their bytes)."""
         if self.log is None or self.group >= 0:
             return fn(*args)
         log = self.log
         n0 = len(log["group"])
         self.group = len(log["group_bytes"])
         log["group_bytes"].append(0.0)
+        log["group_cycles"].append(0.0)
         try:
             out = fn(*args)
         finally:
@@ -597,6 +600,7 @@ class _Tracer(StorageTracker):
         if ops <= last:
             raise RuntimeError(f"{len(traffic)} kernels over {ops} traced ops")
         log["group_bytes"][gid:] = [float(b) for b in traffic]
+        log["group_cycles"][gid:] = [float(c) for c in (cycles or (0.0,) * len(traffic))]
         log["group"][n0:] = [gid + min(i, last) for i in range(ops)]
         return out
 
@@ -700,6 +704,7 @@ class Probe:
     # host bytes swapped out during backward (a reentrant checkpoint's recomputation under hooks that stay on
     # through backward, `Stack.hooks`), each brought back before backward ends
     backward_host: int = 0
+    group_cycles: np.ndarray | None = None  # per fused kernel, the SM cycles of its instructions (0: not counted)
 
     @property
     def peak_bytes(self) -> int:
@@ -812,7 +817,8 @@ class _Session:
             np.asarray(log["bytes"], dtype=np.float64), np.asarray(log["fmt"], dtype=np.int8),
             np.asarray(log["op"], dtype=np.int32), time.perf_counter() - t0, state["fwd_ops"], state["bwd_ops"],
             np.asarray(log["group"], dtype=np.int32), np.asarray(log["group_bytes"], dtype=np.float64),
-            np.asarray(log["pad"], dtype=np.int64), state["fwd_grads"], state["bwd_host"])
+            np.asarray(log["pad"], dtype=np.int64), state["fwd_grads"], state["bwd_host"],
+            np.asarray(log["group_cycles"], dtype=np.float64))
 
 
 # -- profiles: two traces, any batch ------------------------------------------------------
@@ -887,7 +893,9 @@ class Profile:
             padding=None if lo.padding is None else np.rint(lerp(lo.padding.astype(np.float64),
                                                                  hi.padding.astype(np.float64))).astype(np.int64),
             forward_grads=lo.forward_grads,
-            backward_host=int(round(lerp(lo.backward_host, hi.backward_host))))
+            backward_host=int(round(lerp(lo.backward_host, hi.backward_host))),
+            group_cycles=None if lo.group_cycles is None else np.maximum(0.0, lerp(lo.group_cycles,
+                                                                                   hi.group_cycles)))
 
     def _unrolled(self, batch_size: int) -> Probe | None:
         """For a profile unrolled from shallow copies (`depths`), the step at `batch_size` unrolled from theirs
@@ -1149,12 +1157,14 @@ def _phase_arrays(p: Probe):
     group = p.group if p.group is not None else np.full(n, -1, dtype=np.int32)
     inside = group >= 0
     start = inside & np.r_[True, group[1:] != group[:-1]]
-    gbytes = np.zeros(n)
+    gbytes, gcycles = np.zeros(n), np.zeros(n)
     if p.group_bytes is not None and start.any():
         gbytes[start] = p.group_bytes[group[start]]
+    if p.group_cycles is not None and start.any():
+        gcycles[start] = p.group_cycles[group[start]]
     pad = p.padding if p.padding is not None else np.zeros(n + 1, dtype=np.int64)
     keys = (p.ops.astype(np.int64) * 16 + p.fmt.astype(np.int64) * 4 + inside * 2 + start)
-    vals = np.column_stack([p.live[1:], pad[1:], p.flops, p.extra_flops, p.bytes, gbytes]).astype(np.float64)
+    vals = np.column_stack([p.live[1:], pad[1:], p.flops, p.extra_flops, p.bytes, gbytes, gcycles]).astype(np.float64)
     return keys, vals, (0, p.forward_ops, p.backward_ops, n)
 
 
@@ -1181,7 +1191,8 @@ def _unroll(a: Probe, b: Probe, m: int) -> Probe:
         np.maximum(0.0, vals[:, 2]), np.maximum(0.0, vals[:, 3]), np.maximum(0.0, vals[:, 4]),
         (keys // 4 % 4).astype(np.int8), (keys // 16).astype(np.int32), a.seconds + b.seconds, ends[1], ends[2],
         group, np.maximum(0.0, vals[start, 5]), np.rint(np.r_[pad0, vals[:, 1]]).astype(np.int64),
-        line(a.forward_grads, b.forward_grads), line(a.backward_host, b.backward_host))
+        line(a.forward_grads, b.forward_grads), line(a.backward_host, b.backward_host),
+        np.maximum(0.0, vals[start, 6]))
 
 
 def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
@@ -1229,10 +1240,10 @@ def clear_cache() -> None:
 
 # where traced profiles are kept between processes (a notebook kernel, the command line); None: nowhere
 TRACE_CACHE: Path | None = ROOT / "build" / "cache" / "traces"
-_DISK_FORMAT = 3
+_DISK_FORMAT = 4
 _SCALARS = ("batch_size", "params_bytes", "optimizer_bytes", "grads_bytes", "forward_live", "forward_host",
             "seconds", "forward_ops", "backward_ops", "forward_grads", "backward_host")
-_ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops", "group", "group_bytes", "padding")
+_ARRAYS = ("live", "flops", "extra_flops", "bytes", "fmt", "ops", "group", "group_bytes", "padding", "group_cycles")
 
 
 # modules a trace never runs: the time model reads traces, validation and plots read estimates, reference is

@@ -89,6 +89,11 @@ class Gpu:
       (attention saves different tensors on each; momlab.estimate).
     - ``patterns``: regular expressions matching ``env.device_name`` of
       records measured on this device (``torch.cuda.get_device_name``).
+    - ``sm_clock_hz``: multiprocessors times the boost clock (SM cycles a
+      second): the ceiling of a kernel bound by its instructions rather than
+      its bytes or FLOPs (`momlab.moms.quant.gact_cycles`); 0: not known.
+      Each catalog value agrees with its datasheet's fp32 peak (FP32 lanes
+      per SM x 2 FLOPs x SM cycles a second).
     """
 
     name: str
@@ -104,6 +109,7 @@ class Gpu:
     kernel_s: float = KERNEL_S  # device seconds each kernel takes beyond its roofline time (`KERNEL_S`)
     source: str = ""
     notes: str = ""
+    sm_clock_hz: float = 0.0  # multiprocessors x boost clock: SM cycles a second
 
     def peak(self, fmt: str) -> float | None:
         return self.flops.get(fmt)
@@ -118,7 +124,12 @@ class Gpu:
         return {"name": self.name, "memory_bytes": self.memory_bytes, "flops": dict(self.flops),
                 "memory_bandwidth": self.memory_bandwidth, "host_link": self.host_link,
                 "host_bandwidth": self.host_bandwidth, "pinned_bandwidth": self.pinned_bandwidth, "kernels": self.kernels, "source": self.source,
-                "notes": self.notes}
+                "notes": self.notes, "sm_clock_hz": self.sm_clock_hz}
+
+
+def _sm(multiprocessors: int, boost_mhz: float) -> float:
+    """SM cycles a second of a GPU with that many multiprocessors at that boost clock."""
+    return multiprocessors * boost_mhz * 1e6
 
 
 def _tf(fp32=None, tf32=None, bf16=None, fp16=None) -> dict:
@@ -126,6 +137,10 @@ def _tf(fp32=None, tf32=None, bf16=None, fp16=None) -> dict:
             (("fp32", fp32), ("tf32", tf32), ("bf16", bf16), ("fp16", fp16))}
 
 
+# Multiprocessors and boost clock (`Gpu.sm_clock_hz`), from NVIDIA's datasheets and architecture whitepapers:
+# V100 SXM2 80 SMs at 1530 MHz, T4 40 at 1590, A10 72 at 1695, L4 58 at 2040, A100 SXM4 108 at 1410, H100 and
+# H200 SXM 132 at 1980, RTX 4090 128 at 2520 (each times its FP32 lanes per SM, 64 on Volta, Turing and A100,
+# 128 on GA102, Ada and Hopper, times 2 is its datasheet's fp32 peak; `test_sm_clocks_agree_with_fp32_peaks`).
 _CATALOG: dict[str, Gpu] = {g.name: g for g in (
     # NVIDIA V100 Tensor Core GPU datasheet (2020), SXM2: FP32 15.7 TFLOPS, Tensor 125 TFLOPS (fp16),
     # HBM2 900 GB/s; the host link is PCIe gen3 x16 (NVLink connects GPUs only, except on POWER9).
@@ -134,42 +149,50 @@ _CATALOG: dict[str, Gpu] = {g.name: g for g in (
     # V100-SXM2-16GB (github.com/4paradigm/k8s-vgpu-scheduler/issues/7) and 32480 MiB on a V100-SXM2-32GB
     # (github.com/godweiyang/GrabGPU/issues/5)
     Gpu("V100-16", 16160 * MiB, _tf(fp32=15.7, fp16=125), 900 * GB_S, "PCIe gen3 x16", PCIE[3],
-        pinned_bandwidth=PINNED[3], patterns=(r"V100.*16\s*GB",), source="NVIDIA V100 datasheet (SXM2)"),
+        pinned_bandwidth=PINNED[3], patterns=(r"V100.*16\s*GB",),
+        sm_clock_hz=_sm(80, 1530), source="NVIDIA V100 datasheet (SXM2)"),
     Gpu("V100-32", 32480 * MiB, _tf(fp32=15.7, fp16=125), 900 * GB_S, "PCIe gen3 x16", PCIE[3],
-        pinned_bandwidth=PINNED[3], patterns=(r"V100.*32\s*GB",), source="NVIDIA V100 datasheet (SXM2)"),
+        pinned_bandwidth=PINNED[3], patterns=(r"V100.*32\s*GB",),
+        sm_clock_hz=_sm(80, 1530), source="NVIDIA V100 datasheet (SXM2)"),
     # NVIDIA T4 datasheet: FP32 8.1 TFLOPS, mixed precision (fp16/fp32) 65 TFLOPS, GDDR6 320 GB/s,
     # 16 GB, PCIe gen3 x16. Turing has no tf32 or bf16 tensor cores.
     Gpu("T4", 16 * GiB, _tf(fp32=8.1, fp16=65), 320 * GB_S, "PCIe gen3 x16", PCIE[3],
-        pinned_bandwidth=PINNED[3], patterns=(r"\bT4\b",), source="NVIDIA T4 datasheet"),
+        pinned_bandwidth=PINNED[3], patterns=(r"\bT4\b",), sm_clock_hz=_sm(40, 1590), source="NVIDIA T4 datasheet"),
     # NVIDIA A10 datasheet: FP32 31.2, TF32 62.5 | 125*, BF16 125 | 250*, FP16 125 | 250* TFLOPS
     # (* with sparsity), GDDR6 600 GB/s, 24 GB, PCIe gen4 x16.
     Gpu("A10", 24 * GiB, _tf(fp32=31.2, tf32=62.5, bf16=125, fp16=125), 600 * GB_S, "PCIe gen4 x16", PCIE[4],
-        pinned_bandwidth=PINNED[4], patterns=(r"\bA10\b(?!0)",), source="NVIDIA A10 datasheet"),
+        pinned_bandwidth=PINNED[4], patterns=(r"\bA10\b(?!0)",),
+        sm_clock_hz=_sm(72, 1695), source="NVIDIA A10 datasheet"),
     # NVIDIA L4 datasheet: FP32 30.3, TF32 120*, BF16 242*, FP16 242* TFLOPS (* with sparsity: dense is
     # half), GDDR6 300 GB/s, 24 GB, PCIe gen4 x16.
     Gpu("L4", 24 * GiB, _tf(fp32=30.3, tf32=60, bf16=121, fp16=121), 300 * GB_S, "PCIe gen4 x16", PCIE[4],
-        pinned_bandwidth=PINNED[4], patterns=(r"\bL4\b",), source="NVIDIA L4 datasheet"),
+        pinned_bandwidth=PINNED[4], patterns=(r"\bL4\b",), sm_clock_hz=_sm(58, 2040), source="NVIDIA L4 datasheet"),
     # NVIDIA A100 datasheet (SXM): FP32 19.5, TF32 156 | 312*, BF16 312 | 624*, FP16 312 | 624* TFLOPS;
     # HBM2 1,555 GB/s (40GB), HBM2e 2,039 GB/s (80GB); PCIe gen4 x16 to the host.
     Gpu("A100-40", 40 * GiB, _tf(fp32=19.5, tf32=156, bf16=312, fp16=312), 1555 * GB_S, "PCIe gen4 x16",
-        PCIE[4], pinned_bandwidth=PINNED[4], patterns=(r"A100.*40\s*GB",), source="NVIDIA A100 datasheet (SXM4 40GB)"),
+        PCIE[4], pinned_bandwidth=PINNED[4], patterns=(r"A100.*40\s*GB",),
+        sm_clock_hz=_sm(108, 1410), source="NVIDIA A100 datasheet (SXM4 40GB)"),
     Gpu("A100-80", 80 * GiB, _tf(fp32=19.5, tf32=156, bf16=312, fp16=312), 2039 * GB_S, "PCIe gen4 x16",
-        PCIE[4], pinned_bandwidth=PINNED[4], patterns=(r"A100.*80\s*GB",), source="NVIDIA A100 datasheet (SXM4 80GB)"),
+        PCIE[4], pinned_bandwidth=PINNED[4], patterns=(r"A100.*80\s*GB",),
+        sm_clock_hz=_sm(108, 1410), source="NVIDIA A100 datasheet (SXM4 80GB)"),
     # NVIDIA H100 datasheet (SXM): FP32 67, TF32 989*, BF16 1,979*, FP16 1,979* TFLOPS (* with
     # sparsity: dense is half), HBM3 3.35 TB/s, 80 GB, PCIe gen5 x16 to the host.
     Gpu("H100-80", 80 * GiB, _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 3350 * GB_S, "PCIe gen5 x16",
-        PCIE[5], pinned_bandwidth=PINNED[5], patterns=(r"H100.*80\s*GB", r"H100 SXM"), source="NVIDIA H100 datasheet (SXM5)"),
+        PCIE[5], pinned_bandwidth=PINNED[5], patterns=(r"H100.*80\s*GB", r"H100 SXM"),
+        sm_clock_hz=_sm(132, 1980), source="NVIDIA H100 datasheet (SXM5)"),
     # NVIDIA H200 datasheet (SXM): same compute as H100 SXM (FP32 67, TF32 989*, BF16/FP16 1,979*
     # TFLOPS, * with sparsity), HBM3e "141 GB" at 4.8 TB/s, PCIe gen5 x16 to the host. Capacity as
     # the card reports it: nvidia-smi read 143771 MiB on this workplace's H200s (2026-10-27, driver
     # 580.159); the datasheet's rounded "141 GB" read as GiB overstated it by 0.6 GiB.
     Gpu("H200-141", 143771 * MiB, _tf(fp32=67, tf32=494.7, bf16=989.4, fp16=989.4), 4800 * GB_S,
-        "PCIe gen5 x16", PCIE[5], pinned_bandwidth=PINNED[5], patterns=(r"H200",), source="NVIDIA H200 datasheet (SXM)"),
+        "PCIe gen5 x16", PCIE[5], pinned_bandwidth=PINNED[5], patterns=(r"H200",),
+        sm_clock_hz=_sm(132, 1980), source="NVIDIA H200 datasheet (SXM)"),
     # NVIDIA Ada Lovelace architecture whitepaper (v1.1), GeForce RTX 4090: FP32 82.6 TFLOPS; tensor
     # FP16 and BF16 with FP32 accumulate (what PyTorch uses) 165.2 dense, TF32 82.6 dense;
     # GDDR6X 1,008 GB/s, 24 GB, PCIe gen4 x16.
     Gpu("RTX-4090", 24 * GiB, _tf(fp32=82.6, tf32=82.6, bf16=165.2, fp16=165.2), 1008 * GB_S, "PCIe gen4 x16",
-        PCIE[4], pinned_bandwidth=PINNED[4], patterns=(r"RTX 4090",), source="NVIDIA Ada Lovelace whitepaper (RTX 4090)"),
+        PCIE[4], pinned_bandwidth=PINNED[4], patterns=(r"RTX 4090",),
+        sm_clock_hz=_sm(128, 2520), source="NVIDIA Ada Lovelace whitepaper (RTX 4090)"),
 )}
 
 

@@ -32,7 +32,12 @@ must predict, from first principles on top of the fitted device:
   the ops around them (casts, the rounding noise, copies) stay ops. The paper's
   stack ran GACT's CUDA kernels (`Stack.quantizer`): there every op of a pack
   or unpack is in a group, one per GACT kernel, with the bytes it moves
-  (`momlab.moms.quant.gact_traffic`);
+  (`momlab.moms.quant.gact_traffic`) and the SM cycles its instructions take
+  (`momlab.moms.quant.gact_cycles`): such a kernel takes the longer of its
+  bytes at the fitted bandwidth and its cycles at the GPU's multiprocessors
+  times clock (`Gpu.sm_clock_hz`; nothing fitted: GACT sets up Philox noise
+  and 64-bit indices per thread, and on every catalog GPU its pack and unpack
+  are bound by their instructions, not their bytes);
 - swap's copies move the host bytes each way at the link's effective pinned
   bandwidth (`Gpu.pinned_bandwidth`); how they share the GPU with compute is
   the swap implementation's (`SWAP_SCHEDULES`, `swap_phases`). momlab's swap
@@ -47,7 +52,7 @@ Without records of a device, defaults are used and the estimate says
 ops' times and per-op costs add, and swap copies are ops of the trace.
 
 A step here is anything with the per-op arrays of `momlab.estimate.Probe`
-(``flops``, ``extra_flops``, ``bytes``, ``fmt``, ``group``, ``group_bytes``),
+(``flops``, ``extra_flops``, ``bytes``, ``fmt``, ``group``, ``group_bytes``, ``group_cycles``),
 its phase boundaries (``forward_ops``, ``backward_ops``) and ``host_bytes``; the
 traces themselves come from momlab.estimate, which hands its tracer in
 (``trace=``) where a calibration needs the steps of measured records.
@@ -170,7 +175,11 @@ def _kernels(p, gpu: Gpu, cal: "Calibration", tf32: bool = False) -> tuple[np.nd
         inside = group >= 0
         ids, first = np.unique(group[inside], return_index=True)
         first = np.flatnonzero(inside)[first]
-        kernel = p.group_bytes[ids] / (gpu.memory_bandwidth * cal.memory_efficiency) + overhead
+        kernel = p.group_bytes[ids] / (gpu.memory_bandwidth * cal.memory_efficiency)
+        cycles = getattr(p, "group_cycles", None)
+        if cycles is not None and gpu.sm_clock_hz > 0:  # an instruction-bound kernel (GACT's): its cycles
+            kernel = np.maximum(kernel, cycles[ids] / gpu.sm_clock_hz)
+        kernel = kernel + overhead
         k = np.where(inside, 0.0, k)
         h = np.where(inside, 0.0, h)
         k[first] = kernel

@@ -395,6 +395,23 @@ def test_gacts_kernel_traffic_by_hand():
     assert quant.gact_traffic(800, 1, 1) == ((800.0, 800.0, 900.0), (800.0, 900.0))
 
 
+def test_gacts_kernel_cycles_by_hand():
+    """GACT's kernels' instruction cycles (`gact_cycles`): per thread and per value, a thread holding 8 / bits
+    values of one position across groups, the tensor padded to whole groups; none for PyTorch's own kernels."""
+    (mm, scale, pack), (unpack,) = quant.gact_cycles(300, 4)  # 2 groups of 256, 256 threads
+    assert mm == pytest.approx(0.36 * 512) and scale == pytest.approx(0.8 * 2)
+    assert pack == pytest.approx(3.22 * 256 + 0.84 * 512) and unpack == pytest.approx(1.34 * 256 + 0.90 * 512)
+    assert quant.gact_cycles(512, 8)[0][2] == pytest.approx(3.22 * 512 + 0.84 * 512)  # a value a thread
+    assert quant.gact_cycles(800, 1) == ((0.0, 0.0, 0.55 * 800), (0.0, 0.45 * 800))  # a mask: max, min, zero fill
+    # per packed 4-bit value, pack + unpack + minimax: 4.4 cycles, 36 ps on a V100 (80 SMs at 1530 MHz) where its
+    # fp16 bytes take 7 ps at full bandwidth: GACT's kernels are bound by their instructions
+    per_value = sum(sum(c) for c in quant.gact_cycles(2 ** 20, 4)) / 2 ** 20
+    v100 = E.get_gpu("V100-16")
+    assert per_value / v100.sm_clock_hz == pytest.approx(36e-12, rel=0.05)
+    assert per_value / v100.sm_clock_hz > 4 * sum(sum(b) for b in quant.gact_traffic(2 ** 20, 2, 4)) / 2 ** 20 \
+        / v100.memory_bandwidth
+
+
 @pytest.mark.slow  # four traces of a tiny model: a few seconds
 def test_the_papers_quant4_is_costed_as_gacts_kernels(monkeypatch):
     """The paper stack's quantizer is GACT's (`Stack.quantizer`): a trace for a GPU charges each packed tensor
@@ -408,7 +425,7 @@ def test_the_papers_quant4_is_costed_as_gacts_kernels(monkeypatch):
     def recording(self, fn, arg, program, n, itemsize, bits, phase):
         tracer = getattr(quant.TRACE_KERNEL, "__self__", None)
         if self.kernels == "gact" and tracer is not None and tracer.log is not None:
-            calls.append(quant.gact_traffic(n, itemsize, bits)[phase])
+            calls.append(tuple(zip(quant.gact_traffic(n, itemsize, bits)[phase], quant.gact_cycles(n, bits)[phase])))
         return run(self, fn, arg, program, n, itemsize, bits, phase)
 
     monkeypatch.setattr(quant.Quantizer, "_run", recording)
@@ -422,15 +439,18 @@ def test_the_papers_quant4_is_costed_as_gacts_kernels(monkeypatch):
             return E._Session("bert-base", mom, "fp16", TINY_BERT, "cuda", setup="paper").probe(8)
 
     gact = probe("quant4", "gact")
-    kernels = [b for call in calls for b in call]
+    kernels = [k for call in calls for k in call]
     assert len(calls) > 20 and {len(c) for c in calls} == {1, 2, 3}  # floats and dropout masks, packed and unpacked
-    assert list(gact.group_bytes) == kernels  # one group per kernel, in order, with its bytes
+    # one group per kernel, in order, with its bytes and its instructions' SM cycles
+    assert list(zip(gact.group_bytes, gact.group_cycles)) == kernels
+    assert gact.group_cycles.sum() > 0
     ours, exact = probe("quant4", "momlab"), probe("exact", "gact")
     # the same forward op for op (backward casts half metadata up, inside GACT's unpack kernel), half the metadata
     assert gact.forward_ops == ours.forward_ops and np.array_equal(gact.ops[:gact.forward_ops],
                                                                    ours.ops[:ours.forward_ops])
     assert gact.forward_live < ours.forward_live and gact.peak_bytes <= ours.peak_bytes
     assert len(gact.group_bytes) > len(ours.group_bytes)  # GACT: 3 kernels a pack; momlab: encode only grouped
+    assert not ours.group_cycles.any()  # momlab's compiled kernels are costed by their bytes
 
     def quant_traffic(p):
         inside = p.group >= 0

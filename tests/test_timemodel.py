@@ -6,6 +6,7 @@ every expected time is worked out here, not by the code under test.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from momlab import gpus
 from momlab.gpus import get
 from momlab.timemodel import (
     Calibration,
@@ -27,13 +29,14 @@ FP32, CONV32, FP16 = 0, 1, 3
 TRUTH = {"fp32": 0.6, "conv32": 0.72, "half": 0.45, "memory": 0.81, "launch": 1.7e-5, "kernel": 4e-6}
 
 
-def _step(flops, nbytes, fmt, *, host=0, forward=0, backward=0, group=None, group_bytes=None):
+def _step(flops, nbytes, fmt, *, host=0, forward=0, backward=0, group=None, group_bytes=None, group_cycles=None):
     n = len(flops)
     return SimpleNamespace(flops=np.asarray(flops, dtype=float), extra_flops=np.zeros(n),
                            bytes=np.asarray(nbytes, dtype=float), fmt=np.asarray(fmt, dtype=np.int8),
                            host_bytes=host, forward_ops=forward, backward_ops=backward,
                            group=None if group is None else np.asarray(group, dtype=np.int32),
-                           group_bytes=None if group_bytes is None else np.asarray(group_bytes, dtype=float))
+                           group_bytes=None if group_bytes is None else np.asarray(group_bytes, dtype=float),
+                           group_cycles=None if group_cycles is None else np.asarray(group_cycles, dtype=float))
 
 
 def _cal(params: dict) -> Calibration:
@@ -245,6 +248,31 @@ def test_a_fused_kernel_is_one_kernel():
     t = step_time(fused, V100, cal)
     assert t.step_time_s == pytest.approx(launch + 1e-3 + 0.5e-3 + 2 * kernel)
     assert t.fused_s == pytest.approx(0.5e-3 + kernel) and t.overhead_s == pytest.approx(2 * kernel)
+
+
+def test_a_kernel_bound_by_its_instructions_takes_its_cycles():
+    """A fused kernel with instruction cycles (GACT's) takes the longer of its bytes at the fitted bandwidth and
+    its cycles at the GPU's multiprocessors x clock; a device without that rate (0) keeps the bytes' time."""
+    cal = _cal({**TRUTH, "kernel": 0.0})
+    ms_bytes = V100.memory_bandwidth * TRUTH["memory"] * 1e-3  # 1 ms of traffic
+    ms_cycles = V100.sm_clock_hz * 1e-3  # 1 ms of instructions
+    for cycles, want in ((0.5 * ms_cycles, 1e-3), (3 * ms_cycles, 3e-3)):
+        step = _step([0.0] * 3, [0.0] * 3, [FP32] * 3, group=[0, 0, 0], group_bytes=[ms_bytes],
+                     group_cycles=[cycles])
+        assert step_time(step, V100, cal).fused_s == pytest.approx(want)
+    unknown = dataclasses.replace(V100, sm_clock_hz=0.0)
+    step = _step([0.0], [0.0], [FP32], group=[0], group_bytes=[ms_bytes], group_cycles=[3 * ms_cycles])
+    assert step_time(step, unknown, cal).fused_s == pytest.approx(1e-3)
+
+
+def test_sm_clocks_agree_with_fp32_peaks():
+    """Each catalog GPU's multiprocessors x boost clock, times its FP32 lanes per SM (64 on Volta, Turing and
+    A100; 128 on GA102, Ada and Hopper) and 2 FLOPs an FMA, is its datasheet's fp32 peak: two sources, one
+    number, so a typo in either shows."""
+    for name in gpus.gpus()[:-1]:
+        g = gpus.get(name)
+        lanes = g.peak("fp32") / (2 * g.sm_clock_hz)
+        assert min(abs(lanes - 64), abs(lanes - 128)) / lanes < 0.01, (name, lanes)
 
 
 def test_gpu_utilization_is_the_share_of_the_whole_step_a_kernel_runs():

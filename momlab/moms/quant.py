@@ -51,8 +51,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from momlab.device import is_oom
 
-__all__ = ["BITS", "GROUP_SIZE", "KERNELS", "MIN_NUMEL", "Packed", "Quantizer", "dequantize", "gact_traffic",
-           "pack_mask", "packed_bytes", "quantize"]
+__all__ = ["BITS", "GROUP_SIZE", "KERNELS", "MIN_NUMEL", "Packed", "Quantizer", "dequantize", "gact_cycles",
+           "gact_traffic", "pack_mask", "packed_bytes", "quantize"]
 
 BITS = (8, 4, 2)
 GROUP_SIZE = 256  # values sharing one (min, scale): ActNN/GACT's granularity
@@ -132,6 +132,45 @@ def gact_traffic(n: int, itemsize: int, bits: int) -> tuple[tuple[float, ...], t
     pad = (n + padded) * itemsize if padded != n else 0
     return ((float(pad + padded * itemsize + 2 * stats), float(3 * stats), padded * itemsize + 2 * stats + codes),
             (codes + 2 * stats + padded * itemsize,))
+
+
+# SM cycles GACT's kernels spend per thread and per value on their instructions, at the throughput the CUDA C++
+# Programming Guide gives per multiprocessor and clock for compute capability 7.x to 9.0 (its table "Throughput of
+# Native Arithmetic Instructions": 64 results for 32-bit integer and float add, multiply(-add), logic, shift and
+# compare; 16 for type conversions and special functions; 32 for warp shuffles; memory and control instructions
+# counted at 32, uniform-datapath ones at 64). Counted in the SASS nvcc 13.0 made for sm_75 (the oldest target it
+# has) of kernels with the algorithm, types and launch shape of GACT-ICML's quantization_cuda_kernel.cu and
+# minimax kernel: one thread per value position of a 256-value group and 8 / bits groups a thread, Philox noise
+# initialised per thread (`curand_init` with the thread's subsequence, one Philox4x32-10 evaluation), 64-bit
+# indices, the bit count and so the values a thread known only at run time, an IEEE division per value in
+# unpack; one 32-thread warp a group with shuffles for min and max; 512-thread blocks packing a uint8 mask through
+# shared-memory atomics. Per thread (prologue and epilogue) and per value; docs/LOG.md 2026-12-07 01:40.
+_GACT_PACK_CYCLES = (3.22, 0.84)  # per thread, per value: pack_single_precision (fp16 and fp32 within 1%)
+_GACT_UNPACK_CYCLES = (1.34, 0.90)  # unpack_single_precision
+_GACT_MINIMAX_CYCLES = 0.36  # per value: minimax (8 values a thread, 12 shuffles a warp)
+_GACT_SCALE_CYCLES = 0.8  # per group: compute_scale (one IEEE division a thread)
+_GACT_MASK_CYCLES = (0.55, 0.45)  # per value: act_quantize_dropout_mask, act_dequantize_dropout_mask
+
+
+def gact_cycles(n: int, bits: int) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """SM cycles the paper's quantizer's kernels issue to pack, then to unpack, `n` values into `bits` bits: the
+    instructions of `gact_traffic`'s kernels, one number per kernel in the same order (0 for PyTorch's own
+    kernels there: the padding copy, a mask's max and min, the zero fill; their bytes bound them). A kernel
+    takes at least its cycles over the GPU's ``sm_clock_hz`` (multiprocessors x clock): with Philox set up
+    per thread and 64-bit index arithmetic, pack and unpack issue 60-130 instructions per value, several
+    times their bytes' time on any GPU (`momlab.timemodel`).
+
+    >>> [round(c) for c in gact_cycles(512, 4)[0]], [round(c) for c in gact_cycles(512, 4)[1]]
+    ([184, 2, 1254], [804])
+    """
+    if bits == 1:
+        return (0.0, 0.0, _GACT_MASK_CYCLES[0] * n), (0.0, _GACT_MASK_CYCLES[1] * n)
+    groups = -(-n // GROUP_SIZE)
+    padded = groups * GROUP_SIZE
+    threads = -(-padded // (8 // bits))
+    return ((_GACT_MINIMAX_CYCLES * padded, _GACT_SCALE_CYCLES * groups,
+             _GACT_PACK_CYCLES[0] * threads + _GACT_PACK_CYCLES[1] * padded),
+            (_GACT_UNPACK_CYCLES[0] * threads + _GACT_UNPACK_CYCLES[1] * padded,))
 
 
 # -- the tensor programs (pure functions of tensors: torch.compile can take them) --
@@ -374,7 +413,8 @@ class Quantizer:
         1: unpack)."""
         hook = TRACE_KERNEL
         if hook is not None and self.kernels == "gact":
-            return hook(lambda a: fn(a, program), arg, traffic=gact_traffic(n, itemsize, bits)[phase])
+            return hook(lambda a: fn(a, program), arg, traffic=gact_traffic(n, itemsize, bits)[phase],
+                        cycles=gact_cycles(n, bits)[phase])
         if hook is not None and program is not None:
             program = functools.partial(hook, program)
         return fn(arg, program)
