@@ -144,7 +144,7 @@ def gact_traffic(n: int, itemsize: int, bits: int) -> tuple[tuple[float, ...], t
 # initialised per thread (`curand_init` with the thread's subsequence, one Philox4x32-10 evaluation), 64-bit
 # indices, the bit count and so the values a thread known only at run time, an IEEE division per value in
 # unpack; one 32-thread warp a group with shuffles for min and max; 512-thread blocks packing a uint8 mask through
-# shared-memory atomics. Per thread (prologue and epilogue) and per value; docs/LOG.md 2026-12-07 01:40.
+# shared-memory atomics. Per thread (prologue and epilogue) and per value; docs/LOG.md 2026-12-07 01:30.
 _GACT_PACK_CYCLES = (3.22, 0.84)  # per thread, per value: pack_single_precision (fp16 and fp32 within 1%)
 _GACT_UNPACK_CYCLES = (1.34, 0.90)  # unpack_single_precision
 _GACT_MINIMAX_CYCLES = 0.36  # per value: minimax (8 values a thread, 12 shuffles a warp)
