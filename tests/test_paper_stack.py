@@ -412,6 +412,25 @@ def test_gacts_kernel_cycles_by_hand():
         / v100.memory_bandwidth
 
 
+def test_the_cycle_count_weighs_each_instruction_by_its_throughput():
+    """scripts/gact_cycles.py (where `gact_cycles`' constants come from): an instruction on the executed path costs
+    1 / its throughput per multiprocessor and clock (the Programming Guide's table: 64 for integer arithmetic, 16 for
+    conversions, 32 for shuffles), a predicated one the same, and a span walked twice (a loop) counts twice."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("gact_cycles", Path(__file__).parents[1] / "scripts/gact_cycles.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sass = ("Function : k\n  /*0000*/  IMAD.WIDE.U32 R2, R0, R1, RZ ;\n  /*0010*/  I2F R4, R2 ;\n"
+            "  /*0020*/  @!P0 BRA 0x40 ;\n  /*0030*/  SHFL.DOWN PT, R3, R2, 0x10, 0x1f ;\n  /*0040*/  EXIT ;\n"
+            "Function : other\n  /*0000*/  EXIT ;\n")
+    ins = mod.functions(sass)["k"]
+    assert [a for a, _ in ins] == [0, 16, 32, 48, 64] and ins[1][1] == "I2F R4, R2"
+    assert mod.cycles(ins, "0000-0030") == (pytest.approx(1 / 64 + 1 / 16 + 1 / 32 + 1 / 32), 4)
+    assert mod.cycles(ins, "0000-0000 0000-0000")[0] == pytest.approx(2 / 64)
+
+
 @pytest.mark.slow  # four traces of a tiny model: a few seconds
 def test_the_papers_quant4_is_costed_as_gacts_kernels(monkeypatch):
     """The paper stack's quantizer is GACT's (`Stack.quantizer`): a trace for a GPU charges each packed tensor
