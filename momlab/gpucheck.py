@@ -205,6 +205,30 @@ class Check:
 
         return torch.cuda.memory_allocated() if self.cuda else 0
 
+    @property
+    def gpu(self) -> str:
+        """The catalog name estimates target for this device (`cpu` on a dry run)."""
+        import torch
+
+        from momlab import gpus
+
+        return gpus.for_device_name(torch.cuda.get_device_name()) if self.cuda else "cpu"
+
+    def table(self, head: str, lines) -> None:
+        """Put (or replace) the summary table that starts with `head`: a phase rewrites its table as rows come."""
+        self.tables[:] = [t for t in self.tables if not t.startswith(head)] + ["\n".join([head, *lines])]
+
+    def estimate(self, phase: str, label: str, model: str, mom: str, **kw):
+        """momlab's estimate for this device, or None where it cannot be made (then a failed invariant saying why:
+        a row of evidence, not the end of the phase)."""
+        from momlab.estimate import estimate
+
+        try:
+            return estimate(model, mom, gpu=self.gpu, **kw)
+        except Exception as exc:  # noqa: BLE001
+            self.ev.check(phase, f"{label} estimated", False, error=_error_text(exc))
+            return None
+
     def measure(self, phase: str, model: str, mom: str, tags: dict | None = None, **kw):
         """momlab.measure on the check's device, recorded with `tags` added to its options."""
         import momlab
@@ -322,7 +346,7 @@ def _phase_big(c: Check) -> None:
                 m.activation_bytes, m.workspace_bytes, m.host_bytes)]
         rows.append(f"| {mom} | {m.fits} | " + " | ".join(f"{v:.0f}" for v in mib)
                     + f" | {m.step_time_s:.4f} | {m.throughput:.1f} |")
-        c.tables[:] = [t for t in c.tables if not t.startswith("## Phase 3")] + ["\n".join(rows)]
+        c.table(rows[0], rows[1:])
     if "swap" in c.big and c.big["swap"].fits:
         c.ev.check("big", "swap keeps its activations on the host", c.big["swap"].host_bytes > 0,
                    host=c.big["swap"].host_bytes)
@@ -375,12 +399,9 @@ def _phase_ranks(c: Check) -> None:
 
 
 def _phase_estimate(c: Check) -> None:
-    import torch
-
-    from momlab import gpus
     from momlab.estimate import estimate
 
-    gpu = gpus.for_device_name(torch.cuda.get_device_name()) if c.cuda else "cpu"
+    gpu = c.gpu
     fields = ("peak_bytes", "params_bytes", "grads_bytes", "optimizer_bytes", "activation_bytes",
               "workspace_bytes", "step_time_s")
     path = c.ev.out / "estimates.csv"
@@ -443,20 +464,12 @@ def _first_step_peak(v: dict, mom: str, batch: int) -> int:
 def _phase_vision(c: Check) -> None:
     import torch
 
-    from momlab import gpus
-    from momlab.estimate import estimate
-
     v = c.plan.vision
-    gpu = gpus.for_device_name(torch.cuda.get_device_name()) if c.cuda else "cpu"
     head = (f"## Phase 8: {v['model']} {v['precision']}, the paper's setup, cuDNN's algorithm search off and on: "
             "the first step's peak (CUDA only) and the measured one after a warm-up, against the prediction")
-    rows = ["| MOM | batch | cudnn.benchmark | first step MiB | peak MiB | reserved MiB | predicted MiB | error |",
+    rows = ["", "| MOM | batch | cudnn.benchmark | first step MiB | peak MiB | reserved MiB | predicted MiB | error |",
             "|---|---|---|---|---|---|---|---|"]
     points: dict = {}
-
-    def table(slopes=()):
-        c.tables[:] = [t for t in c.tables if not t.startswith("## Phase 8")] + ["\n".join([head, "", *rows,
-                                                                                            *slopes])]
 
     before = torch.backends.cudnn.benchmark
     try:
@@ -471,18 +484,14 @@ def _phase_vision(c: Check) -> None:
                     if not c.ev.check("vision", f"{mom} batch {b} cudnn.benchmark={search} fits", m.fits,
                                       error=m.error, first_step_peak=first):
                         continue
-                    try:  # an estimate that cannot be made is a NaN in the table, not the end of the phase
-                        pred = estimate(v["model"], mom, batch_size=b, gpu=gpu, precision=v["precision"],
-                                        setup="paper", **v["size"]).peak_bytes
-                    except Exception as exc:  # noqa: BLE001
-                        c.ev.check("vision", f"{mom} batch {b} estimated", False,
-                                   error=_error_text(exc))
-                        pred = math.nan
+                    e = c.estimate("vision", f"{mom} batch {b}", v["model"], mom, batch_size=b,
+                                   precision=v["precision"], setup="paper", **v["size"])
+                    pred = math.nan if e is None else e.peak_bytes
                     points[(mom, search, b)] = (first, m.peak_bytes, pred)
                     rows.append(f"| {mom} | {b} | {search} | {first / MiB if first else math.nan:.0f} | "
                                 f"{m.peak_bytes / MiB:.0f} | {(m.reserved_peak_bytes or 0) / MiB:.0f} | "
                                 f"{pred / MiB:.0f} | {pred / m.peak_bytes - 1:+.3f} |")
-                    table()
+                    c.table(head, rows)
     finally:
         torch.backends.cudnn.benchmark = before
     slopes = ["", "| MOM | cudnn.benchmark | first step MiB a sample | measured MiB a sample | "
@@ -494,28 +503,20 @@ def _phase_vision(c: Check) -> None:
                 (f0, m0, p0), (f1, m1, p1) = points[(mom, search, lo)], points[(mom, search, hi)]
                 first = (f1 - f0) / d if f0 is not None and f1 is not None else math.nan
                 slopes.append(f"| {mom} | {search} | {first:.2f} | {(m1 - m0) / d:.2f} | {(p1 - p0) / d:.2f} |")
-    table(slopes)
+    c.table(head, rows + slopes)
     c.ev.check("vision", "cudnn.benchmark as it was before the phase", torch.backends.cudnn.benchmark == before)
 
 
 def _phase_paper(c: Check) -> None:
     """The paper's stack measured on this device against its trace: what momlab's emulation of the 2022 software
     keeps on real kernels, point by point and per sample, beside the paper's own V100 slopes."""
-    import torch
+    from momlab import reference
 
-    from momlab import gpus, reference
-    from momlab.estimate import estimate
-
-    gpu = gpus.for_device_name(torch.cuda.get_device_name()) if c.cuda else "cpu"
     head = ("## Phase 9: the paper's stack (setup=\"paper\") measured on this device against its estimate, "
             "and the per-sample slopes beside the paper's V100 ones")
-    rows = ["| model | MOM | batch | peak MiB | predicted | error | activation MiB | predicted | error |",
+    rows = ["", "| model | MOM | batch | peak MiB | predicted | error | activation MiB | predicted | error |",
             "|---|---|---|---|---|---|---|---|---|"]
     slopes = ["", "| model | MOM | measured MiB a sample | predicted | the paper's (V100) |", "|---|---|---|---|---|"]
-
-    def table():
-        c.tables[:] = [t for t in c.tables if not t.startswith("## Phase 9")] + ["\n".join([head, "", *rows,
-                                                                                            *slopes])]
 
     def err(pred, got):
         return pred / got - 1 if got else math.nan
@@ -531,12 +532,9 @@ def _phase_paper(c: Check) -> None:
                 m = c.measure("paper", model, mom, batch_size=b, precision=precision, setup="paper", steps=1, **size)
                 if not c.ev.check("paper", f"{model} {mom} batch {b} fits", m.fits, error=m.error):
                     continue
-                try:  # an estimate that cannot be made is a failed invariant and a NaN, not the end of the phase
-                    e = estimate(model, mom, batch_size=b, gpu=gpu, precision=precision, setup="paper", **size)
-                    pred = (e.peak_bytes, e.activation_bytes)
-                except Exception as exc:  # noqa: BLE001
-                    c.ev.check("paper", f"{model} {mom} batch {b} estimated", False, error=_error_text(exc))
-                    pred = (math.nan, math.nan)
+                e = c.estimate("paper", f"{model} {mom} batch {b}", model, mom, batch_size=b, precision=precision,
+                               setup="paper", **size)
+                pred = (math.nan, math.nan) if e is None else (e.peak_bytes, e.activation_bytes)
                 got = (m.peak_bytes, m.activation_bytes)
                 points[b] = (got, pred)
                 if not c.cuda:  # a CPU step is what its trace is, to the byte; on a GPU the table is the evidence
@@ -545,14 +543,14 @@ def _phase_paper(c: Check) -> None:
                 rows.append(f"| {model} | {mom} | {b} | {got[0] / MiB:.0f} | {pred[0] / MiB:.0f} | "
                             f"{err(pred[0], got[0]):+.3f} | {got[1] / MiB:.0f} | {pred[1] / MiB:.0f} | "
                             f"{err(pred[1], got[1]):+.3f} |")
-                table()
+                c.table(head, rows + slopes)
             if len(points) == 2:
                 (lo, (g0, p0)), (hi, (g1, p1)) = sorted(points.items())
                 d = hi - lo
                 v100 = paper.get(mom, math.nan) if not size else math.nan  # the paper ran its own sizes only
                 slopes.append(f"| {model} | {mom} | {(g1[0] - g0[0]) / d / MiB:.2f} | "
                               f"{(p1[0] - p0[0]) / d / MiB:.2f} | {v100:.2f} |")
-                table()
+                c.table(head, rows + slopes)
 
 
 def _phase_s1(c: Check) -> None:
