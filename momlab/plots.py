@@ -819,9 +819,6 @@ def prediction_scatter(table: pd.DataFrame, *, title: str | None = "Predicted vs
                    label=model, s=36, zorder=3)
         ax.scatter(g.loc[~solid, "paper_point"], g.loc[~solid, "predicted_max_batch"].astype(float),
                    facecolors="none", edgecolors=color, s=36, zorder=3)
-        for _, r in g.iterrows():
-            ax.annotate(r["mom"], (r["paper_point"], float(r["predicted_max_batch"])), fontsize=6,
-                        xytext=(3, 2), textcoords="offset points")
     if len(rows):
         lo = min(rows["paper_point"].min(), rows["predicted_max_batch"].astype(float).min()) / 1.5
         hi = max(rows["paper_point"].max(), rows["predicted_max_batch"].astype(float).max()) * 1.5
@@ -831,17 +828,64 @@ def prediction_scatter(table: pd.DataFrame, *, title: str | None = "Predicted vs
                         label=f"within {band:.0%}")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        ax.set_xlim(xs[0], xs[-1])
+        ax.set_ylim(xs[0], xs[-1])
     ax.set_xlabel("paper, one V100: maximum batch (midpoint of last fit and first OOM)")
     allocator = rows["allocator"].iloc[0] if "allocator" in rows and len(rows) else "ideal"
     how = {"caching": "replayed caching allocator", "ideal": "live peak, no fragmentation"}.get(allocator, allocator)
     ax.set_ylabel(f"momlab, predicted (not measured; {how})")
-    ax.legend(fontsize=7, loc="upper left")
+    # below the axes, where it covers no point; so does the note on hollow markers
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=7, frameon=False)
     ax.text(0.99, 0.01, "hollow: another system in the paper, a lower bound, or a paper run\n"
             "its own memory records show was not stopped by GPU memory", transform=ax.transAxes,
             ha="right", va="bottom", fontsize=6)
     _title(fig, title, f"predicted with the paper's software stack, allocator={allocator}; "
                        "measured: the paper's V100 runs")
+    if len(rows):  # last, in the figure as laid out
+        _place_labels(fig, ax, np.c_[rows["paper_point"].astype(float), rows["predicted_max_batch"].astype(float)],
+                      list(rows["mom"]))
     return fig
+
+
+def _place_labels(fig: Figure, ax, points: np.ndarray, labels: list[str], *, fontsize: float = 6.0) -> None:
+    """A label beside each of `points` (data coordinates of `ax`) where it covers no other label and no marker,
+    if a free place is near: tried in turn right, left, then above and below on either side, further out each
+    round; greedily, the top point first. A label moved off its point's row is tied to it by a thin line. The
+    places are found in the laid-out figure (its layout run first) and take no part in the layout."""
+    fig.draw_without_rendering()
+    px = fig.dpi / 72.0  # pixels a point
+    xy = ax.transData.transform(points) if len(points) else np.zeros((0, 2))
+    sizes = []
+    for label in labels:
+        probe = ax.text(0, 0, label, fontsize=fontsize)
+        box = probe.get_window_extent()
+        sizes.append((box.width, box.height))
+        probe.remove()
+    r = 3.5 * px  # a marker's half width
+    boxes = [(x - r, y - r, x + r, y + r) for x, y in xy]
+
+    def free(b):
+        return all(b[2] <= o[0] or b[0] >= o[2] or b[3] <= o[1] or b[1] >= o[3] for o in boxes)
+
+    for i in sorted(range(len(xy)), key=lambda i: -xy[i, 1]):
+        (x, y), (w, h) = xy[i], sizes[i]
+        tries = [(4.0, 0.0, "left"), (-4.0, 0.0, "right")]
+        for step in (1, 2, 3):
+            d = step * (h / px + 1.0)
+            tries += [(8.0, d, "left"), (8.0, -d, "left"), (-8.0, d, "right"), (-8.0, -d, "right")]
+        for dx, dy, ha in tries:
+            x0 = x + dx * px - (w if ha == "right" else 0.0)
+            box = (x0, y + dy * px - h / 2, x0 + w, y + dy * px + h / 2)
+            if free(box):
+                break
+        else:  # no free place near: on the right, as before
+            dx, dy, ha = tries[0]
+            box = (x + dx * px, y - h / 2, x + dx * px + w, y + h / 2)
+        boxes.append(box)
+        note = ax.annotate(labels[i], tuple(points[i]), fontsize=fontsize, xytext=(dx, dy), textcoords="offset points",
+                           ha=ha, va="center", arrowprops=dict(arrowstyle="-", lw=0.4, color="0.45", shrinkA=0,
+                                                               shrinkB=2) if dy else None)
+        note.set_in_layout(False)
 
 
 def save(fig: Figure, path_without_ext: str | Path) -> list[Path]:

@@ -236,14 +236,16 @@ def figure(view: View, fig=None):
         top = highest * 1.35
         ax_mem.set_xlabel(f"{label}: off scale, {cap / highest:,.0f}x the largest peak", fontsize=8)
     else:
-        top = max(cap, highest) * 1.15
+        top = max(cap, highest) * 1.25  # the legend's row above the tallest bar and the capacity line
         ax_mem.axhline(cap, color="black", ls="--", lw=1)
         ax_mem.text(len(moms) - 0.5 if moms else 0, cap, label, va="bottom", ha="right", fontsize=8)
     ax_mem.set_xticks(x, moms, rotation=20, ha="right", fontsize=8)
     ax_mem.set_ylabel(f"{unit} (predicted peak)")
     # titles at a fixed height: placing them above the tick labels measures every label (a fifth of an update)
     ax_mem.set_title(f"{s.model} at batch {s.batch_size}, {s.precision}", fontsize=10, y=1)
-    ax_mem.legend(fontsize=7, loc="upper left")
+    # one row along the top, above every bar (`top`), where "upper left" covered the first, tallest one
+    ax_mem.legend(fontsize=7, loc="upper center", ncols=len(PARTS), frameon=False, handlelength=1.0,
+                  handletextpad=0.4, columnspacing=0.8)
     ax_mem.relim()  # the limits of this update's artists only (a kept panel remembers the last ones)
     ax_mem.autoscale_view()
     ax_mem.set_ylim(0, top or 1)

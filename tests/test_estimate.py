@@ -629,6 +629,23 @@ def test_whatif_draws_breakdown_and_curves(tmp_path, _no_records):
     assert {line.get_label() for line in tp.lines} >= {"exact", "ckpt", "ckpt-selective"}
 
 
+
+def test_whatif_legend_covers_no_bar_at_the_cards_edge(_no_records):
+    """At exact's largest batch its bar reaches the capacity line: the breakdown's legend stays clear of it."""
+    from dataclasses import replace
+
+    from momlab import whatif
+
+    state = whatif.State("bert-base", "A100-40", "fp32", ("exact", "ckpt", "swap"), 8,
+                         whatif.size_from("bert-base", "tiny"), _no_records)
+    edge = replace(state, batch_size=whatif.compute(state).max_batch["exact"])
+    fig = whatif.figure(whatif.compute(edge))
+    fig.draw_without_rendering()
+    mem = fig.axes[0]
+    legend = mem.get_legend().get_window_extent()
+    bars = [p.get_window_extent() for p in mem.patches if p.get_height() > 0]
+    assert bars and not [b for b in bars if b.overlaps(legend)]
+
 def test_whatif_redraw_in_place_is_a_new_drawing(_no_records):
     """An update draws into the last update's figure (what keeps it fast): it shows what a new figure shows."""
     from dataclasses import replace

@@ -6,6 +6,7 @@ import matplotlib.colors as mcolors
 import pandas as pd
 import pytest
 from matplotlib.figure import Figure
+from matplotlib.text import Text
 
 from momlab import plots
 from momlab.reference import paper_largest, paper_runs, paper_s1, paper_scaling
@@ -319,3 +320,26 @@ def test_predicted_throughput_marks_what_does_not_fit_on_an_axis_from_zero():
     nothing = plots.predicted_throughput(df.assign(trains=False, tokens_per_s=0.0, throughput=0.0)).axes[0]
     assert [t.get_text() for t in nothing.texts] == ["no fit"] * 6
     assert nothing.get_ylim() == pytest.approx((0.0, 1.05))  # not an axis around zero
+
+
+def test_prediction_scatter_labels_its_points_without_covering_one_another():
+    """A crowded corner (six MOMs of one model within 10% of each other, as gpt3-small's are in notebook 04):
+    each point keeps its MOM's label, no two labels overlap once drawn, and the legend sits outside the axes."""
+    moms = ["exact", "ckpt", "swap", "quant4", "quant4+swap", "quant4+ckpt"]
+    table = pd.DataFrame([{"model": "gpt3-small", "mom": m, "paper_point": 30.0 * (1 + 0.02 * i),
+                           "predicted_max_batch": 40.0 * (1 + 0.03 * i), "comparable": i != 2, "note": "",
+                           "gpu_bound": True, "allocator": "ideal"} for i, m in enumerate(moms)]
+                         + [{"model": "bert-large", "mom": "exact", "paper_point": 500.0, "predicted_max_batch": 520.0,
+                             "comparable": True, "note": "", "gpu_bound": True, "allocator": "ideal"}])
+    fig = plots.prediction_scatter(table)
+    fig.draw_without_rendering()  # lays the figure out and places every text
+    ax = fig.axes[0]
+    notes = [t for t in ax.texts if t.get_text() in moms]
+    assert sorted(t.get_text() for t in notes) == sorted(moms + ["exact"])
+    boxes = [Text.get_window_extent(t) for t in notes]  # the text's own box, without its leader line
+    overlaps = [(notes[i].get_text(), notes[j].get_text()) for i in range(len(boxes))
+                for j in range(i + 1, len(boxes)) if boxes[i].overlaps(boxes[j])]
+    assert overlaps == []
+    # the hollow point is the one that is not comparable, and the legend does not sit on the data
+    assert len(ax.collections) >= 2
+    assert not fig.legends[0].get_window_extent().overlaps(ax.get_window_extent())
