@@ -101,7 +101,8 @@ def main() -> None:
                          index=both.index)
     table, extra = both[headline], both[~headline]
     cols = ["model", "mom", "precision", "paper_max_batch", "paper_oom_batch", "paper_point",
-            "predicted_ideal", "predicted_max_batch", "error", "paper_headroom", "gpu_bound", "comparable", "note"]
+            "predicted_ideal", "predicted_max_batch", "error", "paper_headroom", "gpu_bound", "records_full_batch",
+            "error_vs_records", "comparable", "note"]
     print(f"\npredicted (setup='paper', allocator='caching'; predicted_ideal: without fragmentation) vs the "
           f"paper's V100 maximum batch ({secs:.0f} s)")
     print(table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}"))
@@ -111,6 +112,10 @@ def main() -> None:
     print(f"of them, the {s['rows_gpu_bound']} whose paper run stopped at GPU memory by its own records "
           f"(paper_headroom >= {validation.GPU_BOUND_HEADROOM}): median |error| {s['median_abs_error_gpu_bound']:.1%}, "
           f"max {s['max_abs_error_gpu_bound']:.1%}, within 15%: {s['within_15pct_gpu_bound']}/{s['rows_gpu_bound']}")
+    print(f"the ideal prediction against the batch the paper's own peak records fill the card at (error_vs_records, "
+          f"{s['rows_vs_records']} comparable rows with a memory sweep): median |error| "
+          f"{s['median_abs_error_vs_records']:.1%}, max {s['max_abs_error_vs_records']:.1%}, within 15%: "
+          f"{s['within_15pct_vs_records']}/{s['rows_vs_records']}")
     if len(extra):
         e = validation.max_batch_summary(extra)
         print("\nout of sample, the paper's sweeps at another precision (BERT-L's earlier fp32 runs; predicted at "

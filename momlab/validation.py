@@ -484,8 +484,12 @@ def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: st
     (`allocator`'s), allocator, paper_headroom and gpu_bound (`paper_headroom`:
     False where the paper's own memory records show its run was not stopped
     by GPU memory; such rows stay comparable and are summarised both ways),
-    error (predicted / paper_point - 1), comparable (False for another
-    system or no data), note.
+    records_full_batch (`paper_headroom`'s: where the paper's own line of
+    allocated peak against batch reaches the card) and error_vs_records
+    (predicted_ideal / records_full_batch - 1: the predicted memory against
+    the paper's measured memory at the card's edge, fragmentation left out
+    of both, whatever stopped the paper's run), error (predicted /
+    paper_point - 1), comparable (False for another system or no data), note.
     """
     check_choice("allocator", allocator, ALLOCATORS)
     s1 = reference.paper_s1(precision=precision)
@@ -526,6 +530,9 @@ def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: st
             row["allocator"] = allocator
             h = headroom.get((model, mom))
             row["paper_headroom"] = math.nan if h is None else h.headroom
+            row["records_full_batch"] = math.nan if h is None else h.records_full_batch
+            row["error_vs_records"] = (ideal / row["records_full_batch"] - 1 if ideal is not None and h is not None
+                                       else math.nan)
             row["gpu_bound"] = not row["paper_headroom"] < GPU_BOUND_HEADROOM
             if not row["gpu_bound"]:
                 notes.append(f"the paper's run stopped at {h.headroom:.0%} of the batch its own peak records fill "
@@ -544,9 +551,10 @@ def max_batch_table(models=None, moms=None, *, setup: str = SETUP, allocator: st
 def max_batch_summary(table: pd.DataFrame) -> dict:
     """Median and largest absolute error of the comparable rows, and how many are within 15%; the same
     keys with ``_gpu_bound`` for the comparable rows whose paper run stopped at GPU memory by its own
-    records (``gpu_bound``, `paper_headroom`)."""
-    def stats(rows, suffix=""):
-        err = rows["error"].dropna().abs()
+    records (``gpu_bound``, `paper_headroom`), and with ``_vs_records`` for the comparable rows' ideal
+    prediction against where the paper's own peak records fill the card (``error_vs_records``)."""
+    def stats(rows, suffix="", column="error"):
+        err = rows[column].dropna().abs() if column in rows else pd.Series(dtype=float)
         return {f"rows{suffix}": int(len(err)),
                 f"median_abs_error{suffix}": float(err.median()) if len(err) else math.nan,
                 f"max_abs_error{suffix}": float(err.max()) if len(err) else math.nan,
@@ -554,7 +562,7 @@ def max_batch_summary(table: pd.DataFrame) -> dict:
 
     comparable = table[table["comparable"]]
     bound = comparable[comparable["gpu_bound"]] if "gpu_bound" in comparable else comparable
-    return {**stats(comparable), **stats(bound, "_gpu_bound")}
+    return {**stats(comparable), **stats(bound, "_gpu_bound"), **stats(comparable, "_vs_records", "error_vs_records")}
 
 
 def breakdown_table(models=None, *, setup: str = SETUP) -> pd.DataFrame:

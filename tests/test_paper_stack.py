@@ -527,9 +527,16 @@ def test_max_batch_table_rows_and_marks(monkeypatch):
     assert swap.paper_headroom == pytest.approx(0.40, abs=0.01)
     exact = t[(t.model == "resnet50") & (t.mom == "exact")].iloc[0]
     assert exact.gpu_bound and "not GPU memory" not in exact.note
+    # the ideal prediction against the paper's own records: resnet50's exact sweep fills the card at ~180
+    assert 175 < exact.records_full_batch < 185
+    assert exact.error_vs_records == pytest.approx(50 / exact.records_full_batch - 1)
+    assert math.isnan(dtr.records_full_batch) and math.isnan(dtr.error_vs_records)  # no memory sweep of DTR
     s = validation.max_batch_summary(t)
     assert s["rows"] == int(t.comparable.sum())
     assert s["rows_gpu_bound"] == int((t.comparable & t.gpu_bound).sum()) < s["rows"]
+    with_records = t[t.comparable & t.error_vs_records.notna()]
+    assert s["rows_vs_records"] == len(with_records) > 0
+    assert s["median_abs_error_vs_records"] == pytest.approx(with_records.error_vs_records.abs().median())
 
 
 def test_max_batch_table_at_another_precision(monkeypatch):
