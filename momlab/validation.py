@@ -411,7 +411,7 @@ def ratio_text(table: pd.DataFrame) -> str:
 # -- memory: maximum batch, breakdowns, per-sample slopes --------------------------------------
 
 # the models the paper swept memory against batch size for, at their headline precision (`slope_table`)
-SLOPE_MODELS = ("bert-large", "resnet50", "swin-large", "wide-resnet50-2")
+SLOPE_MODELS = ("bert-large", "resnet50", "swin-large", "wide-resnet50-2", "gpt3-small")
 
 
 def paper_headroom(models=None, *, precision: str | None = None) -> pd.DataFrame:
@@ -608,7 +608,6 @@ def slope_table(models=SLOPE_MODELS, moms=None, *,
     recorded it). Columns: model, precision, mom, paper_bytes_per_sample, predicted_bytes_per_sample, error,
     paper_activation_per_sample, predicted_activation_per_sample, activation_error, batch_lo, batch_hi,
     note. `moms`: those of the paper's sweeps to show (default all)."""
-    runs = reference.paper_runs()
     rows = []
     for model in models:
         prec = _precision(model, precision)
@@ -617,9 +616,7 @@ def slope_table(models=SLOPE_MODELS, moms=None, *,
             mom = r["mom"]
             if moms is not None and mom not in moms:
                 continue
-            sweep = runs[(runs["model"] == model) & (runs["mom"] == mom) & (runs["experiment"] == "mem")
-                         & runs["fits"] & (runs["gpus"] == 1) & (runs["precision"] == prec)]
-            lo, hi = int(sweep["batch_size"].min()), int(sweep["batch_size"].max())
+            lo, hi = int(r["batch_lo"]), int(r["batch_hi"])  # the batches of the runs behind the paper's slope
             note = _other_system(model, mom, precision)
             try:
                 prof = profile(model, mom, precision=prec, setup=setup)

@@ -99,6 +99,17 @@ def test_memory_per_sample_matches_brief():
     assert round(per["quant4+ckpt"], 1) == 8.3
 
 
+def test_gpts_memory_sweep_is_the_peak_its_timed_runs_recorded():
+    """fairseq recorded the peak with every timed GPT run (no `mem` sweep): gpt3-small's exact runs, batch 1 to
+    19, rise from 3,006,777,856 bytes to 14,806,451,200 (read from the raw GPT_v100_results_speed_results.json);
+    the least-squares line over every run (some batches ran several times) has that slope within 1%."""
+    per = paper_memory_per_sample("gpt3-small").set_index("mom")
+    assert per.loc["exact", "bytes_per_sample"] == pytest.approx((14806451200 - 3006777856) / 18, rel=0.01)
+    assert (per.loc["exact", "batch_lo"], per.loc["exact", "batch_hi"]) == (1, 19)
+    assert {"ckpt", "quant4", "quant4+swap"} <= set(per.index)
+    # a model with a mem sweep keeps it (resnet50's timed runs recorded peaks too)
+    assert paper_memory_per_sample("resnet50").set_index("mom").loc["exact", "batch_hi"] == 168
+
 def test_activation_per_sample_is_the_slope_of_the_recorded_activations():
     """ResNet-50 quant4: the paper recorded 602,364,969 bytes at the end of forward at batch 32 and
     8,946,031,002 at 480 (read from the raw file); its sweep is a line to the per mille. Swap keeps nothing."""

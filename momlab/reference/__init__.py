@@ -29,7 +29,8 @@ The functions below select the runs behind each of the paper's results:
 default size), ``paper_gpu_count`` (the same on 1-8 GPUs), ``paper_scaling``
 (S2': the ``depth``/``width`` batch searches), ``paper_largest`` (S2: the
 ``max_depth``/``max_width`` sweeps at batch 24) and
-``paper_memory_per_sample`` (the ``mem`` sweeps). ``paper_runs`` is the
+``paper_memory_per_sample`` (the ``mem`` sweeps; GPT's timed runs, which
+record their peak). ``paper_runs`` is the
 whole table. ``tests/test_reference.py`` checks them against the numbers
 ../shared/paper/BRIEF.md quotes.
 """
@@ -339,10 +340,14 @@ def paper_largest(dim: str, model: str = "bert-large", batch_size: int = 24) -> 
 def paper_memory_per_sample(model: str = "bert-large", precision: str | None = None) -> pd.DataFrame:
     """Peak memory growth per sample: least-squares slope of ``peak_bytes``
     against batch size over the paper's memory sweep (one V100, default size,
-    the model's headline precision or `precision`).
+    the model's headline precision or `precision`). GPT has no ``mem`` sweep:
+    fairseq's runs recorded their peak with every timed step, so its ``speed``
+    sweep is its memory sweep too (the raw GPT_v100_results_mem_results.json
+    holds the same records as the speed file).
 
     Columns: model, mom, bytes_per_sample, intercept_bytes, batches (the
-    number of runs fitted), activation_per_sample (the same slope of
+    number of runs fitted), batch_lo and batch_hi (the smallest and largest
+    batch among them), activation_per_sample (the same slope of
     ``activation_bytes``, what the step kept at the end of forward; NaN where
     fewer than two runs recorded it). The paper quotes BERT-L in "MB" that are
     thousandths of a GiB (its code divides by 1024**3): exact 204, ckpt 20.8,
@@ -350,12 +355,15 @@ def paper_memory_per_sample(model: str = "bert-large", precision: str | None = N
     """
     df = _table()
     check_precision(precision)
-    sel = (df["model"] == model) & (df["experiment"] == "mem") & (df["gpus"] == 1)
+    sel = (df["model"] == model) & (df["gpus"] == 1) & df["fits"] & df["peak_bytes"].notna()
     sel &= (df["precision"] == (precision or PRECISION.get(model, "fp32"))) & _default_size(df)
-    runs = df[sel & df["fits"] & df["peak_bytes"].notna()]
+    runs = df[sel & (df["experiment"] == "mem")]
+    if runs.empty:  # no memory sweep: the timed runs, where they recorded their peak (GPT)
+        runs = df[sel & (df["experiment"] == "speed")]
     if runs.empty:
+        have = df["peak_bytes"].notna() & (df["gpus"] == 1) & df["experiment"].isin(["mem", "speed"])
         raise ValueError(f"no memory sweep for {model!r} at {precision or 'its headline precision'}; models with one: "
-                         f"{sorted(df.loc[df['experiment'] == 'mem', 'model'].unique())}")
+                         f"{sorted(df.loc[have, 'model'].unique())}")
     rows = []
     for mom, g in runs.groupby("mom", sort=False):
         if g["batch_size"].nunique() < 2:
@@ -366,7 +374,8 @@ def paper_memory_per_sample(model: str = "bert-large", precision: str | None = N
         act_slope = (np.polyfit(act["batch_size"].astype(float), act["activation_bytes"].astype(float), 1)[0]
                      if act["batch_size"].nunique() >= 2 else np.nan)
         rows.append({"model": model, "mom": mom, "bytes_per_sample": slope,
-                     "intercept_bytes": intercept, "batches": len(g), "activation_per_sample": act_slope})
+                     "intercept_bytes": intercept, "batches": len(g), "batch_lo": int(g["batch_size"].min()),
+                     "batch_hi": int(g["batch_size"].max()), "activation_per_sample": act_slope})
     return _order(pd.DataFrame(rows))
 
 
