@@ -854,7 +854,7 @@ def _place_labels(fig: Figure, ax, points: np.ndarray, labels: list[str], *, fon
     places are found in the laid-out figure (its layout run first) and take no part in the layout."""
     fig.draw_without_rendering()
     px = fig.dpi / 72.0  # pixels a point
-    xy = ax.transData.transform(points) if len(points) else np.zeros((0, 2))
+    xy = ax.transData.transform(points)
     sizes = []
     for label in labels:
         probe = ax.text(0, 0, label, fontsize=fontsize)

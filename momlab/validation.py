@@ -554,7 +554,7 @@ def max_batch_summary(table: pd.DataFrame) -> dict:
     records (``gpu_bound``, `paper_headroom`), and with ``_vs_records`` for the comparable rows' ideal
     prediction against where the paper's own peak records fill the card (``error_vs_records``)."""
     def stats(rows, suffix="", column="error"):
-        err = rows[column].dropna().abs() if column in rows else pd.Series(dtype=float)
+        err = rows[column].dropna().abs()
         return {f"rows{suffix}": int(len(err)),
                 f"median_abs_error{suffix}": float(err.median()) if len(err) else math.nan,
                 f"max_abs_error{suffix}": float(err.max()) if len(err) else math.nan,
