@@ -350,9 +350,11 @@ def test_a_quantizing_search_skips_traces_that_cannot_align_and_keeps_the_step(m
     assert _same_step(skipping.at(8), plain.at(8))  # a batch below the pair: traced when asked, the same
 
 
-@pytest.mark.parametrize("mom,setup,precision", [("quant4", "default", "fp32"), ("quant4+swap", "paper", "fp16"),
-                                                 ("quant4+ckpt", "default", "bf16")])
-def test_replayed_quantization_is_the_traced_step(mom, setup, precision, monkeypatch):
+@pytest.mark.parametrize("mom,setup,precision,rescales", [
+    ("quant4", "default", "fp32", True), ("quant4+swap", "paper", "fp16", True),
+    # each folded kind meets two counts here (one a trace): checked at the second, none left to rescale
+    ("quant4+ckpt", "default", "bf16", False)])
+def test_replayed_quantization_is_the_traced_step(mom, setup, precision, rescales, monkeypatch):
     """A trace for a GPU replays a pack or unpack it has already traced for tensors of the same shape (every block
     saves the same ones): the step is op for op, byte for byte, kernel group for kernel group what dispatching
     every op gives."""
@@ -361,14 +363,40 @@ def test_replayed_quantization_is_the_traced_step(mom, setup, precision, monkeyp
     monkeypatch.setattr("momlab.moms.quant.CHUNK", 4096)  # several chunks a tensor: folded passes replayed too
     size = catalog.tiny("bert-base")
     clear_cache()
+    rescaled, rescale = [], E._Tracer._rescaled
+    monkeypatch.setattr(E._Tracer, "_rescaled", lambda self, t, sized: rescaled.append(sized) or rescale(self, t, sized))
     replayed = profile("bert-base", mom, setup=setup, precision=precision, **size)
     assert E._REPLAYS  # something was replayed
+    # and folded calls from a recording at another value count, once checked there
+    assert bool(rescaled) == rescales and {k[0][0] for k, t in E._TEMPLATES.items() if t.checked} == {"pack", "unpack"}
+    assert not any(t.refused for t in E._TEMPLATES.values())
     clear_cache()
-    monkeypatch.setattr(E._Tracer, "replay", lambda self, fn, key, arg: fn(arg))
+    monkeypatch.setattr(E._Tracer, "replay", lambda self, fn, key, arg, sized=None: fn(arg))
     plain = profile("bert-base", mom, setup=setup, precision=precision, **size)
     for a, b in ((replayed.lo, plain.lo), (replayed.hi, plain.hi)):
         assert _same_step(a, b) and np.array_equal(a.group, b.group) and np.array_equal(a.group_bytes, b.group_bytes)
         assert np.array_equal(a.fmt, b.fmt) and np.array_equal(a.extra_flops, b.extra_flops)
+
+
+def test_a_folded_call_is_replayed_at_another_count_only_once_checked_there():
+    """A folded quantization call recorded at one value count (`_Template`) is replayed at others only after the
+    replay at a second count equals the call traced there; a second call of the same count (another shape)
+    checks nothing, and one that differs is refused for good."""
+    from momlab.estimate import _Template
+    from momlab.moms.quant import Sized
+
+    # two ops: the result's allocation (100 bytes at the recorded count), then a pass scaled by the fold (x2)
+    entries = [[[0, 8.0], [0, 0], [0, 40.0], [0, 0], [1, 2]], [100, 100], [0, 0], [-1, -1], [], []]
+    t = _Template([100], [0], [0], [(0, 0, False), (4, 20, True)], [], entries)
+    at = t.at(Sized(3.0, None, None, None), [150], [0])
+    assert at == [[[0, 12.0], [0, 0], [0, 60.0], [0, 0], [1, 2]], [150, 150], [0, 0], [-1, -1], [], []]
+    t.check(Sized(2.0, None, None, None), [100], [0], [0], entries)  # the same count: nothing learnt
+    assert not (t.checked or t.refused)
+    t.check(Sized(3.0, None, None, None), [150], [0], [0], at)
+    assert t.checked and not t.refused
+    wrong = _Template([100], [0], [0], [(0, 0, False), (4, 20, True)], [], entries)
+    wrong.check(Sized(3.0, None, None, None), [150], [0], [0], [*at[:1], [150, 151], *at[2:]])
+    assert wrong.refused and not wrong.checked
 
 
 @pytest.mark.parametrize("model,mom,setup,precision", [
