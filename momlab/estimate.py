@@ -390,8 +390,6 @@ def _is_query(func) -> bool:
 
 # recorded quantization calls of traces for a GPU (`_Tracer.replay`): key -> what the call logged and returned
 _REPLAYS: dict = {}
-# ... and folded ones, replayed at any value count (`_Template`): the call's key less its tensor's shape -> _Template
-_TEMPLATES: dict = {}
 
 
 def _tensor_spec(t):
@@ -420,58 +418,6 @@ def _from_spec(spec):
         return empty(spec[1])
     _, data, meta, shape, dtype, bits = spec
     return _quant.Packed(empty(data), None if meta is None else empty(meta), shape, dtype, bits)
-
-
-def _results(out) -> list[torch.Tensor]:
-    """The tensors of a pack's or an unpack's result, in order."""
-    return [t for t in (out if isinstance(out, _quant.Packed) else (out,)) if isinstance(t, torch.Tensor)]
-
-
-@dataclass
-class _Template:
-    """A folded quantization call recorded at one value count, replayed at another (`_Tracer.replay`). Its ops
-    run on one chunk whatever the count; what follows the count is the results' sizes (live and padding bytes
-    from the op that allocated each), the fold's REPEAT (the traffic and FLOPs of each op and kernel group it
-    scaled) and GACT's kernels' costs (closed forms, `quant.gact_traffic`). Replayed only once `check` has
-    found the replay at a second count equal, entry for entry, to the call traced there (`checked`); one
-    that differs is never replayed (`refused`)."""
-
-    nbytes: list  # per result storage, its bytes
-    pads: list  # ... its allocator round-up
-    born: list  # ... the op (from the call's first) that allocated it
-    raw: list  # per op (FLOPs, bytes moved, scaled by REPEAT), before the scaling
-    raw_groups: list  # per kernel group of momlab's (bytes, scaled by REPEAT), before the scaling
-    entries: list  # what the call logged (`_Tracer._recorded`)
-    checked: bool = False
-    refused: bool = False
-
-    def at(self, sized, nbytes: list, pads: list) -> list:
-        """The call's log entries at the value count of `sized`, whose results take `nbytes` (and `pads`)."""
-        (flops, extra, _, fmt, ops), live, pad, groups, group_bytes, group_cycles = self.entries
-        r = sized.repeat
-        flops = [f * r if s else f for f, _, s in self.raw]
-        moved = [m * r if s else m for _, m, s in self.raw]
-        grow = np.zeros(len(live) + 1, dtype=np.int64)
-        grow_pad = np.zeros(len(live) + 1, dtype=np.int64)
-        for i, a, b, pa, pb in zip(self.born, self.nbytes, nbytes, self.pads, pads):
-            grow[i] += b - a
-            grow_pad[i] += pb - pa
-        grow, grow_pad = np.cumsum(grow[:-1]).tolist(), np.cumsum(grow_pad[:-1]).tolist()
-        live = [v + d for v, d in zip(live, grow)]
-        pad = [v + d for v, d in zip(pad, grow_pad)]
-        if sized.traffic is not None:
-            group_bytes = [float(b) for b in sized.traffic]
-            group_cycles = [float(c) for c in (sized.cycles or (0.0,) * len(sized.traffic))]
-        else:
-            group_bytes = [b * r if s else b for b, s in self.raw_groups]
-        return [[flops, extra, moved, fmt, ops], live, pad, groups, group_bytes, group_cycles]
-
-    def check(self, sized, nbytes: list, pads: list, born: list, entries: list) -> None:
-        """Compare the replay at a second count with the call traced there: `checked` where they are equal."""
-        if nbytes == self.nbytes:
-            return  # the same count (a tensor of another shape): nothing to learn
-        same = born == self.born and self.at(sized, nbytes, pads) == entries
-        self.checked, self.refused = same, not same
 
 
 class _Tracer(StorageTracker):
@@ -503,17 +449,10 @@ class _Tracer(StorageTracker):
         self.events = None  # a list: every device allocation and free, in order (`allocation_events`)
         self.group = -1  # the fused kernel being traced (`kernel`); -1: none
         self._update_entries = None  # the log of the first update logged, to replay (`update`)
-        # while a folded quantization call is recorded as a `_Template`: per op its values before the fold's
-        # scaling, per kernel group the same, and the op that allocated each new storage
-        self._raw = self._raw_groups = self._born = None
         if kernels == "cuda":
             self.granule = ALLOCATOR_BLOCK
 
     def _register(self, t, *, host, check):
-        if self._born is not None and not host and t.device.type in self.devices:
-            key = t.untyped_storage()._cdata
-            if key not in self._live:
-                self._born.setdefault(key, len(self.log["flops"]))
         if self.events is not None and not host and t.device.type in self.devices:
             st = t.untyped_storage()
             key, nbytes = st._cdata, st.nbytes()
@@ -549,78 +488,37 @@ class _Tracer(StorageTracker):
 
     _COLUMNS = ("flops", "extra", "bytes", "fmt", "op")
 
-    def replay(self, fn, key, arg, sized=None):
+    def replay(self, fn, key, arg):
         """`fn(arg)` (quant's pack or unpack, `quant.TRACE_CALL`), or a replay of a recorded call of the same `key`:
         its log entries (live and padding bytes relative to the call's start, kernel groups renumbered) and its
         results allocated fresh. Recorded only where the call's lasting effect is exactly its results (new,
         whole, contiguous storages on the device; nothing else freed or kept), and never while allocation
-        events are kept (the allocator replay needs every temporary).
-
-        `sized`: (key, `quant.Sized`) of a folded call, whose ops do not depend on its tensor's shape, only its
-        results' sizes and the fold's REPEAT on the value count: replayed at any count from a `_Template`
-        once one replay at another count has been checked against the call itself."""
+        events are kept (the allocator replay needs every temporary)."""
         if self.events is not None or self.group >= 0:
             return fn(arg)
         # a pack runs in forward, under the step's autocast (fake tensors are CPU tensors)
-        amp = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
-        key = (key, *amp)
+        key = (key, torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
         rec = _REPLAYS.get(key)
         if rec is not None:
             return self._replayed(rec)
         log = self.log
         if log is None:  # a step not logged (none runs: a trace's warm-up primes the workload, `Workload.prime`)
             return fn(arg)
-        template = None
-        if sized is not None:
-            sized = ((sized[0], *amp), sized[1])
-            template = _TEMPLATES.get(sized[0])
-            if template is not None and template.checked:
-                return self._rescaled(template, sized[1])
-            if template is None or not template.refused:
-                self._raw, self._raw_groups, self._born = [], [], {}
         n0, g0 = len(log["flops"]), len(log["group_bytes"])
         live0, pad0, host0, before = self.device_bytes, self.padding_bytes, self.host_bytes, set(self._live)
-        try:
-            out = fn(arg)
-        finally:
-            raw, raw_groups, born, self._raw, self._raw_groups, self._born = (
-                self._raw, self._raw_groups, self._born, None, None, None)
+        out = fn(arg)
         if len(log["flops"]) == n0:
             return out  # nothing ran (a tensor kept as it is)
         spec = _result_spec(out)
         if spec is None or self.host_bytes != host0:
             return out
-        results = _results(out)
-        keys = [t.untyped_storage()._cdata for t in results]
+        results = [t for t in (out if isinstance(out, _quant.Packed) else (out,)) if isinstance(t, torch.Tensor)]
+        keys = {t.untyped_storage()._cdata for t in results}
         nbytes = [t.untyped_storage().nbytes() for t in results]
-        pads = self._pads(nbytes)
-        if (len(set(keys)) == len(results) and not set(keys) & before
-                and all(t.device.type in self.devices for t in results)
+        pads = [0 if self.granule == 1 else -(-n // self.granule) * self.granule - n for n in nbytes]
+        if (len(keys) == len(results) and not keys & before and all(t.device.type in self.devices for t in results)
                 and self.device_bytes - live0 == sum(nbytes) and self.padding_bytes - pad0 == sum(pads)):
-            entries = self._recorded(n0, g0, live0, pad0)
-            _REPLAYS[key] = (spec, *entries)
-            if raw is not None and all(k in born for k in keys):
-                born = [born[k] - n0 for k in keys]
-                if template is None:
-                    _TEMPLATES[sized[0]] = _Template(nbytes, pads, born, raw, raw_groups, entries)
-                else:
-                    template.check(sized[1], nbytes, pads, born, entries)
-        return out
-
-    def _pads(self, nbytes: list[int]) -> list[int]:
-        """The allocator's round-up of storages of `nbytes` to whole blocks."""
-        return [0 if self.granule == 1 else -(-n // self.granule) * self.granule - n for n in nbytes]
-
-    def _rescaled(self, template, sized):
-        """A replay of `template` at the value count `sized` stands for: its results allocated (`Sized.make`)."""
-        log, live0, pad0 = self.log, self.device_bytes, self.padding_bytes
-        self.log = None
-        try:
-            out = sized.make()
-        finally:
-            self.log = log
-        nbytes = [t.untyped_storage().nbytes() for t in _results(out)]
-        self._extend(template.at(sized, nbytes, self._pads(nbytes)), live0, pad0)
+            _REPLAYS[key] = (spec, *self._recorded(n0, g0, live0, pad0))
         return out
 
     def _replayed(self, rec):
@@ -696,10 +594,7 @@ class _Tracer(StorageTracker):
         if traffic is None:
             tensors = [t for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor)]
             # a folded quantization pass stands for `REPEAT` passes (momlab.moms.quant.FOLD)
-            moved = float(sum(map(_nbytes, tensors)))
-            if self._raw_groups is not None:
-                self._raw_groups.append((moved, _quant.REPEAT != 1.0))
-            log["group_bytes"][gid] = moved * _quant.REPEAT
+            log["group_bytes"][gid] = float(sum(map(_nbytes, tensors))) * _quant.REPEAT
             return out
         ops, last = len(log["group"]) - n0, len(traffic) - 1
         if ops <= last:
@@ -765,8 +660,6 @@ class _Tracer(StorageTracker):
         elif packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
             extra = sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
         moved = 0 if func in _NO_TRAFFIC else sum(map(_nbytes, flat_in)) + sum(map(_nbytes, flat_out))
-        if self._raw is not None:
-            self._raw.append((flops, moved, _quant.REPEAT != 1.0))
         if _quant.REPEAT != 1.0:  # one folded pass of a quantization loop stands for REPEAT of them
             flops, moved = flops * _quant.REPEAT, moved * _quant.REPEAT
         fmt = FMT_FP32
@@ -876,8 +769,8 @@ class _Session:
         """The value count of each tensor a step at `batch_size` quantizes, forward and backward (a reentrant
         checkpoint's recomputation packs too, `Stack.hooks`): a step not logged, whose packs only count
         (`quant.TRACE_SIZES`) and whose optimizer update is skipped (its zeroing of the gradients runs), in
-        about half a traced step's time; a forward alone where the MOM recomputes nothing (backward packs
-        nothing then)."""
+        about half a traced step's time; its forward alone where the MOM recomputes nothing (backward packs
+        nothing then), in a fifth."""
         sizes = _quant.TRACE_SIZES = []
         update, self.w.update_hook = self.w.update_hook, lambda fn: None
 
@@ -1351,7 +1244,6 @@ def clear_cache() -> None:
     with _LOCK:
         _PROFILES.clear()
         _REPLAYS.clear()
-        _TEMPLATES.clear()
     timemodel.clear_cache()
 
 

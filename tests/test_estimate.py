@@ -320,6 +320,38 @@ def test_the_quantized_sizes_pick_the_batches_that_can_align():
     assert _folding_alike([quant.CHUNK * 4 // b for b in batches], batches) == batches
 
 
+def test_the_sizing_step_stops_after_forward_only_where_backward_packs_nothing():
+    """quant4 packs in forward alone, so its sizing step stops there and counts what a whole step counts;
+    quant4+ckpt's recomputation packs again in backward (the paper stack's hooks stay on), so its sizing step
+    is a whole step."""
+    import momlab.estimate as E
+    from momlab.moms import quant
+
+    size = {**catalog.tiny("bert-base"), "seq_len": 16}
+
+    def counted(session, forward_only: bool) -> list[int]:
+        sizes = quant.TRACE_SIZES = []
+
+        def stop():
+            raise E._ForwardDone
+
+        try:
+            with session._stepping(4):
+                session.w.step(on_forward_end=stop if forward_only else None)
+        except E._ForwardDone:
+            pass
+        finally:
+            quant.TRACE_SIZES = None
+        return sorted(sizes)
+
+    clear_cache()
+    plain = E._Session("bert-base", "quant4", "fp16", size, "cuda", setup="paper")
+    assert sorted(plain.quantized_sizes(4)) == counted(plain, False) == counted(plain, True) != []
+    ckpt = E._Session("bert-base", "quant4+ckpt", "fp16", size, "cuda", setup="paper")
+    whole, forward = counted(ckpt, False), counted(ckpt, True)
+    assert sorted(ckpt.quantized_sizes(4)) == whole and len(whole) > len(forward)
+
+
 def test_a_quantizing_search_skips_traces_that_cannot_align_and_keeps_the_step(monkeypatch):
     """The search for two aligned traces skips the batches an untraced step's quantized sizes rule out (two traces fewer
     here: none at 4 or 8) and ends at the pair, and the steps, the plain doubling search finds."""
@@ -350,11 +382,9 @@ def test_a_quantizing_search_skips_traces_that_cannot_align_and_keeps_the_step(m
     assert _same_step(skipping.at(8), plain.at(8))  # a batch below the pair: traced when asked, the same
 
 
-@pytest.mark.parametrize("mom,setup,precision,rescales", [
-    ("quant4", "default", "fp32", True), ("quant4+swap", "paper", "fp16", True),
-    # each folded kind meets two counts here (one a trace): checked at the second, none left to rescale
-    ("quant4+ckpt", "default", "bf16", False)])
-def test_replayed_quantization_is_the_traced_step(mom, setup, precision, rescales, monkeypatch):
+@pytest.mark.parametrize("mom,setup,precision", [("quant4", "default", "fp32"), ("quant4+swap", "paper", "fp16"),
+                                                 ("quant4+ckpt", "default", "bf16")])
+def test_replayed_quantization_is_the_traced_step(mom, setup, precision, monkeypatch):
     """A trace for a GPU replays a pack or unpack it has already traced for tensors of the same shape (every block
     saves the same ones): the step is op for op, byte for byte, kernel group for kernel group what dispatching
     every op gives."""
@@ -363,40 +393,14 @@ def test_replayed_quantization_is_the_traced_step(mom, setup, precision, rescale
     monkeypatch.setattr("momlab.moms.quant.CHUNK", 4096)  # several chunks a tensor: folded passes replayed too
     size = catalog.tiny("bert-base")
     clear_cache()
-    rescaled, rescale = [], E._Tracer._rescaled
-    monkeypatch.setattr(E._Tracer, "_rescaled", lambda self, t, sized: rescaled.append(sized) or rescale(self, t, sized))
     replayed = profile("bert-base", mom, setup=setup, precision=precision, **size)
     assert E._REPLAYS  # something was replayed
-    # and folded calls from a recording at another value count, once checked there
-    assert bool(rescaled) == rescales and {k[0][0] for k, t in E._TEMPLATES.items() if t.checked} == {"pack", "unpack"}
-    assert not any(t.refused for t in E._TEMPLATES.values())
     clear_cache()
-    monkeypatch.setattr(E._Tracer, "replay", lambda self, fn, key, arg, sized=None: fn(arg))
+    monkeypatch.setattr(E._Tracer, "replay", lambda self, fn, key, arg: fn(arg))
     plain = profile("bert-base", mom, setup=setup, precision=precision, **size)
     for a, b in ((replayed.lo, plain.lo), (replayed.hi, plain.hi)):
         assert _same_step(a, b) and np.array_equal(a.group, b.group) and np.array_equal(a.group_bytes, b.group_bytes)
         assert np.array_equal(a.fmt, b.fmt) and np.array_equal(a.extra_flops, b.extra_flops)
-
-
-def test_a_folded_call_is_replayed_at_another_count_only_once_checked_there():
-    """A folded quantization call recorded at one value count (`_Template`) is replayed at others only after the
-    replay at a second count equals the call traced there; a second call of the same count (another shape)
-    checks nothing, and one that differs is refused for good."""
-    from momlab.estimate import _Template
-    from momlab.moms.quant import Sized
-
-    # two ops: the result's allocation (100 bytes at the recorded count), then a pass scaled by the fold (x2)
-    entries = [[[0, 8.0], [0, 0], [0, 40.0], [0, 0], [1, 2]], [100, 100], [0, 0], [-1, -1], [], []]
-    t = _Template([100], [0], [0], [(0, 0, False), (4, 20, True)], [], entries)
-    at = t.at(Sized(3.0, None, None, None), [150], [0])
-    assert at == [[[0, 12.0], [0, 0], [0, 60.0], [0, 0], [1, 2]], [150, 150], [0, 0], [-1, -1], [], []]
-    t.check(Sized(2.0, None, None, None), [100], [0], [0], entries)  # the same count: nothing learnt
-    assert not (t.checked or t.refused)
-    t.check(Sized(3.0, None, None, None), [150], [0], [0], at)
-    assert t.checked and not t.refused
-    wrong = _Template([100], [0], [0], [(0, 0, False), (4, 20, True)], [], entries)
-    wrong.check(Sized(3.0, None, None, None), [150], [0], [0], [*at[:1], [150, 151], *at[2:]])
-    assert wrong.refused and not wrong.checked
 
 
 @pytest.mark.parametrize("model,mom,setup,precision", [

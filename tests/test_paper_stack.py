@@ -437,7 +437,7 @@ def test_the_papers_quant4_is_costed_as_gacts_kernels(monkeypatch):
     GACT's kernels, one group each with `gact_traffic`'s bytes, where today's stack charges momlab's own
     program and the fp32 cast, noise and copies around it. Forward is the same op for op; GACT keeps a group's
     minimum and scale in the tensor's dtype (half for fp16 tensors), momlab in fp32."""
-    monkeypatch.setattr(E._Tracer, "replay", lambda self, fn, key, arg, sized=None: fn(arg))  # every pack runs
+    monkeypatch.setattr(E._Tracer, "replay", lambda self, fn, key, arg: fn(arg))  # every pack runs
     calls = []
     run = quant.Quantizer._run
 

@@ -49,16 +49,6 @@ def test_bool_mask_takes_one_bit_per_value_and_is_lossless():
     assert torch.equal(dequantize(pack_mask(odd)), odd)
 
 
-def test_a_mask_of_several_chunks_is_packed_chunk_by_chunk_and_is_lossless(monkeypatch):
-    """A mask over `CHUNK` values is packed and unpacked a chunk at a time (its temporaries one chunk's), the last
-    chunk not a multiple of 8: still one bit a value, and back exactly."""
-    monkeypatch.setattr("momlab.moms.quant.CHUNK", 1024)
-    mask = torch.rand(3, 1111) > 0.4  # 3333 values: three whole chunks and 261 more
-    p = pack_mask(mask)
-    assert packed_bytes(p) == -(-3333 // 8)
-    assert torch.equal(dequantize(p), mask)
-
-
 # -- round trips ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

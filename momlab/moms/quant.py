@@ -227,21 +227,8 @@ TRACE_KERNEL = None
 # ... and this: a step packs many tensors of one shape (every block saves the same ones), whose ops, traffic and
 # memory are the same each time, so the tracer may replay a recorded pack (or unpack) of the same signature
 # rather than dispatch its ops again; it is called as TRACE_CALL(fn, key, arg), `key` naming everything the
-# call's ops depend on. A folded call (`FOLD`) of a contiguous tensor runs the same ops on one chunk whatever its
-# size: it is called as TRACE_CALL(fn, key, arg, sized=(key less the shape, `Sized`)), and the tracer may replay
-# it from a call at another value count. None: run fn(arg).
+# call's ops depend on. None: run fn(arg).
 TRACE_CALL = None
-
-
-class Sized(NamedTuple):
-    """What a folded pack or unpack's trace takes from its value count, beside its results' sizes: the fold's
-    REPEAT, and the bytes and SM cycles of the GACT kernels a GPU runs for it (None: momlab's, whose traffic
-    the trace scales by REPEAT)."""
-
-    repeat: float
-    traffic: tuple | None
-    cycles: tuple | None
-    make: object  # () -> the call's results, allocated empty
 
 # ... and this, to a list, while a trace's sizing step runs: `pack` appends the value count of each tensor it
 # would quantize (a chunk loop that folds, see `FOLD`) and keeps the tensor as it is, from which the tracer
@@ -249,16 +236,15 @@ class Sized(NamedTuple):
 TRACE_SIZES = None
 
 
-def _pad(chunk: torch.Tensor, pad: int, folded: bool, fill: torch.Tensor | None = None) -> torch.Tensor:
-    """`chunk` padded with `pad` values of `fill` (default: its last value, repeated). A real step pads at most
-    one chunk of a tensor (its last); a folded pass stands for every chunk, so its padding copy counts once,
-    not `REPEAT` times."""
+def _pad(chunk: torch.Tensor, pad: int, folded: bool) -> torch.Tensor:
+    """`chunk` padded to whole groups with its last value. A real step pads at most one chunk of a tensor
+    (its last); a folded pass stands for every chunk, so its padding copy counts once, not `REPEAT` times."""
     global REPEAT
     repeat = REPEAT
     if folded:
         REPEAT = 1.0
     try:
-        return torch.cat([chunk, chunk[-1:].expand(pad) if fill is None else fill])
+        return torch.cat([chunk, chunk[-1:].expand(pad)])
     finally:
         REPEAT = repeat
 
@@ -308,21 +294,13 @@ def quantize(x: torch.Tensor, bits: int, *, generator: torch.Generator | None = 
 
 
 def pack_mask(x: torch.Tensor) -> Packed:
-    """Bit-pack a boolean tensor losslessly: 8 values per byte, `CHUNK` values a pass (so the temporaries stay
-    small, and a trace folds the loop as `quantize`'s)."""
+    """Bit-pack a boolean tensor losslessly: 8 values per byte."""
     with torch.no_grad():
         flat = x.detach().reshape(-1)
-        n = flat.numel()
-        data = torch.empty(-(-n // 8), dtype=torch.uint8, device=x.device)
-        folded = _folded(n)
-        for start in _passes(n):
-            chunk = flat[start:start + CHUNK]
-            pad = (-chunk.numel()) % 8
-            if pad or folded:  # folded: the same ops whether or not this size needs padding
-                chunk = _pad(chunk, pad, folded, chunk.new_zeros(pad))
-            codes = _pack_bits(chunk.to(torch.uint8), 1)
-            data[start // 8:][:codes.numel()].copy_(codes)
-        _done()
+        pad = (-flat.numel()) % 8
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        data = _pack_bits(flat.to(torch.uint8), 1)
     return Packed(data, None, tuple(x.shape), x.dtype, 1)
 
 
@@ -332,12 +310,8 @@ def dequantize(p: Packed, *, decode=_decode) -> torch.Tensor:
     for d in p.shape:
         n *= d
     with torch.no_grad():
-        if p.bits == 1:  # chunk by chunk, as `pack_mask` packed them
-            out = torch.empty(n, dtype=torch.bool, device=p.data.device)
-            for start in _passes(n):
-                out[start:start + CHUNK].copy_(_unpack_bits(p.data[start // 8:][:CHUNK // 8], 1)[:n - start])
-            _done()
-            return out.view(p.shape)
+        if p.bits == 1:
+            return _unpack_bits(p.data, 1)[:n].to(torch.bool).view(p.shape)
         out = torch.empty(n, dtype=p.dtype, device=p.data.device)
         for start in _passes(n):
             values = decode(p.data[start * p.bits // 8:][:CHUNK * p.bits // 8],
@@ -388,51 +362,18 @@ class Quantizer:
         hook = TRACE_CALL
         if hook is None:
             return self._pack(x)
-        common = ("pack", self.bits, self.min_numel, self.compile, self.kernels, CHUNK, GROUP_SIZE, FOLD,
-                  x.device.type, x.dtype)
-        key = (*common, tuple(x.shape), x.stride(), x.storage_offset(), x.untyped_storage().nbytes())
-        n = x.numel()
-        mask = x.dtype == torch.bool
-        if not (_folded(n) and (x.is_floating_point() or mask) and x.is_contiguous() and not self._kept_exact(x)):
-            return hook(self._pack, key, x)
-        # `make` holds no tensor: a tracer keeps it, and a tensor kept would stay on its books
-        groups, bits, meta, shape, dtype, device = (-(-n // GROUP_SIZE), 1 if mask else self.bits,
-                                                    self._meta_dtype(x), tuple(x.shape), x.dtype, x.device)
-
-        def make():
-            if bits == 1:
-                return Packed(torch.empty(-(-n // 8), dtype=torch.uint8, device=device), None, shape, dtype, 1)
-            return Packed(torch.empty(groups * GROUP_SIZE * bits // 8, dtype=torch.uint8, device=device),
-                          torch.empty(groups, 2, dtype=meta, device=device), shape, dtype, bits)
-        return hook(self._pack, key, x, sized=(common, self._sized(n, x.element_size(), bits, 0, make)))
+        key = ("pack", self.bits, self.min_numel, self.compile, self.kernels, CHUNK, GROUP_SIZE, FOLD, x.device.type,
+               x.dtype, tuple(x.shape), x.stride(), x.storage_offset(), x.untyped_storage().nbytes())
+        return hook(self._pack, key, x)
 
     def unpack(self, h):
         hook = TRACE_CALL
         if hook is None or not isinstance(h, Packed):
             return self._unpack(h)
-        common = ("unpack", self.compile, self.kernels, CHUNK, GROUP_SIZE, FOLD, h.data.device.type, h.dtype, h.bits,
-                  h.data.dtype, None if h.meta is None else h.meta.dtype)
-        key = (*common, h.shape, tuple(h.data.shape), None if h.meta is None else tuple(h.meta.shape))
-        n = math.prod(h.shape)
-        if not _folded(n):
-            return hook(self._unpack, key, h)
-
-        shape, dtype, device = h.shape, h.dtype, h.data.device
-
-        def make():
-            return torch.empty(shape, dtype=dtype, device=device)
-        return hook(self._unpack, key, h, sized=(common, self._sized(n, h.dtype.itemsize, h.bits, 1, make)))
-
-    def _sized(self, n: int, itemsize: int, bits: int, phase: int, make) -> Sized:
-        """`Sized` of a folded call over `n` values of `bits` bits (`phase` 0: pack, 1: unpack), as `_run` costs
-        it."""
-        if TRACE_KERNEL is not None and self.kernels == "gact":
-            return Sized(n / CHUNK, gact_traffic(n, itemsize, bits)[phase], gact_cycles(n, bits)[phase], make)
-        return Sized(n / CHUNK, None, None, make)
-
-    def _meta_dtype(self, x: torch.Tensor) -> torch.dtype:
-        # GACT kept a group's minimum and scale in the tensor's own dtype (its kernels take fp16 and fp32)
-        return x.dtype if self.kernels == "gact" and x.dtype in (torch.float16, torch.float32) else META_DTYPE
+        key = ("unpack", self.compile, self.kernels, CHUNK, GROUP_SIZE, FOLD, h.data.device.type, h.shape, h.dtype,
+               h.bits, tuple(h.data.shape), h.data.dtype,
+               None if h.meta is None else (tuple(h.meta.shape), h.meta.dtype))
+        return hook(self._unpack, key, h)
 
     def _kept_exact(self, x: torch.Tensor) -> bool:
         """Too small to pack, or per-row statistics (a last dimension of 1): kept as they are."""
@@ -452,7 +393,8 @@ class Quantizer:
             return x
         encode, _ = self._program(x.device)
         generator = self._generator(x.device)
-        meta = self._meta_dtype(x)
+        # GACT kept a group's minimum and scale in the tensor's own dtype (its kernels take fp16 and fp32)
+        meta = x.dtype if self.kernels == "gact" and x.dtype in (torch.float16, torch.float32) else META_DTYPE
         return self._run(lambda t, e: quantize(t, self.bits, generator=generator, encode=e, meta_dtype=meta), x,
                          encode, x.numel(), x.element_size(), self.bits, 0)
 
