@@ -765,12 +765,14 @@ class _Session:
                     self.w.step()
         self.build_seconds = time.perf_counter() - t0
 
-    def quantized_sizes(self, batch_size: int) -> list[int]:
+    def quantized_sizes(self, batch_size: int, forward_only: bool | None = None) -> list[int]:
         """The value count of each tensor a step at `batch_size` quantizes, forward and backward (a reentrant
         checkpoint's recomputation packs too, `Stack.hooks`): a step not logged, whose packs only count
         (`quant.TRACE_SIZES`) and whose optimizer update is skipped (its zeroing of the gradients runs), in
-        about half a traced step's time; its forward alone where the MOM recomputes nothing (backward packs
-        nothing then), in a fifth."""
+        about half a traced step's time; its forward alone (`forward_only`; None: where the MOM recomputes
+        nothing, so backward packs nothing), in a fifth."""
+        if forward_only is None:
+            forward_only = not parse_mom(self.w.mom).checkpointing
         sizes = _quant.TRACE_SIZES = []
         update, self.w.update_hook = self.w.update_hook, lambda fn: None
 
@@ -779,7 +781,7 @@ class _Session:
 
         try:
             with self._stepping(batch_size):
-                self.w.step(on_forward_end=None if parse_mom(self.w.mom).checkpointing else forward_end)
+                self.w.step(on_forward_end=forward_end if forward_only else None)
         except _ForwardDone:
             pass
         finally:

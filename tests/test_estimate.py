@@ -325,30 +325,14 @@ def test_the_sizing_step_stops_after_forward_only_where_backward_packs_nothing()
     quant4+ckpt's recomputation packs again in backward (the paper stack's hooks stay on), so its sizing step
     is a whole step."""
     import momlab.estimate as E
-    from momlab.moms import quant
 
     size = {**catalog.tiny("bert-base"), "seq_len": 16}
-
-    def counted(session, forward_only: bool) -> list[int]:
-        sizes = quant.TRACE_SIZES = []
-
-        def stop():
-            raise E._ForwardDone
-
-        try:
-            with session._stepping(4):
-                session.w.step(on_forward_end=stop if forward_only else None)
-        except E._ForwardDone:
-            pass
-        finally:
-            quant.TRACE_SIZES = None
-        return sorted(sizes)
-
     clear_cache()
     plain = E._Session("bert-base", "quant4", "fp16", size, "cuda", setup="paper")
-    assert sorted(plain.quantized_sizes(4)) == counted(plain, False) == counted(plain, True) != []
+    whole, forward = (sorted(plain.quantized_sizes(4, forward_only=f)) for f in (False, True))
+    assert sorted(plain.quantized_sizes(4)) == whole == forward != []
     ckpt = E._Session("bert-base", "quant4+ckpt", "fp16", size, "cuda", setup="paper")
-    whole, forward = counted(ckpt, False), counted(ckpt, True)
+    whole, forward = (sorted(ckpt.quantized_sizes(4, forward_only=f)) for f in (False, True))
     assert sorted(ckpt.quantized_sizes(4)) == whole and len(whole) > len(forward)
 
 

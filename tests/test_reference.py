@@ -110,6 +110,7 @@ def test_gpts_memory_sweep_is_the_peak_its_timed_runs_recorded():
     # a model with a mem sweep keeps it (resnet50's timed runs recorded peaks too)
     assert paper_memory_per_sample("resnet50").set_index("mom").loc["exact", "batch_hi"] == 168
 
+
 def test_activation_per_sample_is_the_slope_of_the_recorded_activations():
     """ResNet-50 quant4: the paper recorded 602,364,969 bytes at the end of forward at batch 32 and
     8,946,031,002 at 480 (read from the raw file); its sweep is a line to the per mille. Swap keeps nothing."""
