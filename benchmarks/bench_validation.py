@@ -18,11 +18,15 @@ Prints, in one run:
 4. Out of sample, the same maximum-batch rows and slopes for the paper's
    sweeps at another precision (BERT-L's earlier fp32 runs,
    `momlab.reference.OTHER_PRECISIONS`), apart from the summary of 2.
+5. S2, out of sample: the deepest and the widest BERT-L each MOM trains at
+   batch 24 (`validation.largest_table`), predicted vs the paper's bracket
+   (the size that last fit, the next that failed); the caching allocator
+   (--quick: the ideal one, minutes instead of about 17).
 
 Every prediction is a trace of the step on this CPU (minutes for the whole
 table the first time; build/cache/traces keeps them for the next run).
 
-Usage: python benchmarks/bench_validation.py [--quick]   (--quick: ResNet-50 and BERT-L only)
+Usage: python benchmarks/bench_validation.py [--quick]   (--quick: ResNet-50 and BERT-L only, S2 ideal)
 """
 
 from __future__ import annotations
@@ -134,6 +138,14 @@ def main() -> None:
     for m, p in other:
         print(validation.slope_table([m], precision=p).to_string(index=False, header=False,
                                                                  float_format=lambda x: f"{x:.4g}"))
+    if "bert-large" in models:
+        allocator = "ideal" if args.quick else "caching"  # caching: a replay per size tried, about 17 minutes
+        largest, secs = _timed(lambda: validation.largest_table(allocator=allocator))
+        print(f"\nS2: the largest BERT-L each MOM trains at batch 24, predicted ({allocator} allocator; predicted_ideal "
+              f"without fragmentation) vs the paper's sweeps: its size that last fit and the next, that failed ({secs:.0f} s)")
+        print(largest.drop(columns=["model", "batch_size"]).to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        print(f"within the paper's bracket: {int(largest['in_bracket'].sum())}/{len(largest)}; median |error| against "
+              f"its midpoint {largest['error'].abs().median():.1%}, max {largest['error'].abs().max():.1%}")
 
 
 if __name__ == "__main__":

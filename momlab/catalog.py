@@ -195,11 +195,16 @@ def size_step(model: str, dim: str) -> int:
 
 # -- model construction -------------------------------------------------------
 
-def make_model(model: str, size: dict, attention: str | None = None) -> nn.Module:
+def make_model(model: str, size: dict, attention: str | None = None, mlp_width: int | None = None) -> nn.Module:
     """Build the transformers model for `model` at `size` (random weights, CPU, fp32); `attention`
-    sets transformers' attn_implementation ("eager", "sdpa"; None: the model's default)."""
+    sets transformers' attn_implementation ("eager", "sdpa"; None: the model's default); `mlp_width`: BERT's
+    intermediate_size where it is not 4 x hidden_size (the paper's stack, `momlab.workload.Stack.mlp_width`)."""
+    if mlp_width is not None and (_given(model) or spec(model).family != "bert"):
+        raise ValueError(f"mlp_width sets BERT's intermediate_size; {getattr(model, 'name', model)} is not a BERT")
     if _given(model):
         net = model.make_model(size)
+    elif mlp_width is not None:
+        net = _bert(spec(model), size, mlp_width)
     else:
         net = _BUILDERS[spec(model).family](spec(model), size)
     if attention is not None:
@@ -208,12 +213,12 @@ def make_model(model: str, size: dict, attention: str | None = None) -> nn.Modul
     return net
 
 
-def _bert(s: Spec, z: dict) -> nn.Module:
+def _bert(s: Spec, z: dict, mlp_width: int | None = None) -> nn.Module:
     from transformers import BertConfig, BertForSequenceClassification
 
     cfg = BertConfig(
         num_hidden_layers=z["num_layers"], hidden_size=z["hidden_size"], num_attention_heads=z["num_heads"],
-        intermediate_size=4 * z["hidden_size"], max_position_embeddings=max(512, z["seq_len"]),
+        intermediate_size=mlp_width or 4 * z["hidden_size"], max_position_embeddings=max(512, z["seq_len"]),
         num_labels=NUM_CLASSES_TEXT,
     )
     return BertForSequenceClassification(cfg)

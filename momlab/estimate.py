@@ -1672,16 +1672,20 @@ def best_throughput(model: str, mom: str = "exact", *, gpu: str, precision: str 
 
 def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers", batch_size: int, gpu: str,
                      precision: str = "fp32", budget=None, limit: int | None = None, attention: str | None = None,
-                     setup: str = "default", **size) -> int:
+                     setup: str = "default", allocator: str = "ideal", **size) -> int:
     """Largest value of size keyword `dim` (on its grid) that fits at `batch_size` (scenario S2); 0: none.
 
     Each trial is a trace at that size; the first guess comes from a
     quadratic through three smaller sizes (memory is quadratic at most in a
     size keyword: width, sequence and image side), then the answer is
     bracketed and bisected with traces, so it is exact on the grid.
+    `allocator` as `predict_max_batch`'s: "caching" asks PyTorch's caching
+    allocator, replayed on a traced process at each size it tries (tens of
+    seconds a size at real size), below the ideal answer.
     """
     from momlab.search import find_max, size_step
 
+    check_choice("allocator", allocator, ALLOCATORS)
     model = resolve(model)
     g = get_gpu(gpu)
     _check_gpu_precision(g, precision, False)
@@ -1690,15 +1694,19 @@ def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers",
     full = catalog.resolve_size(model, size)
     check_choice(f"size keyword of {model}", dim, list(full))
     check_batch_size(batch_size)
-    cap = _capacity(g, budget, setup)
+    if allocator == "caching":
+        _check_caching(g)  # before any trace
+    card = _capacity(g, budget, setup)
     step = size_step(model, dim, **size)
 
-    cap -= cuda_overheads(g).cublas_workspace_bytes
+    cap = card - cuda_overheads(g).cublas_workspace_bytes
+
+    def prof_at(value: int) -> Profile:
+        return profile(model, mom, precision=precision, kernels=g.kernels, attention=attention, setup=setup,
+                       **{**size, dim: value})
 
     def peak(value: int) -> int:
-        prof = profile(model, mom, precision=precision, kernels=g.kernels, attention=attention, setup=setup,
-                       **{**size, dim: value})
-        return prof.at(batch_size).peak_bytes
+        return prof_at(value).at(batch_size).peak_bytes
 
     default = full[dim] // step * step or step
     xs = sorted({max(step, default // 4 // step * step), max(step, default // 2 // step * step), default})
@@ -1720,7 +1728,29 @@ def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers",
             self.fits = ok
 
     s = find_max(lambda v: _Fit(peak(v) <= cap), step=step, start=max(step, guess), limit=limit, dim=dim)
-    return s.value
+    if allocator == "ideal" or s.value == 0 or _replay(g, prof_at(s.value), batch_size, card).fits:
+        return s.value
+    # as `_max_batch_caching`: each size the allocator cannot serve gives the next guess, the ideal answer for
+    # the capacity less the reserve it wanted beyond its live peak; a guess it serves is refined by bisection
+    fits, fails = 0, s.value
+    while True:
+        unlimited = _replay(g, prof_at(fails), batch_size, UNLIMITED)
+        extra = unlimited.peak_reserved - peak(fails)
+        guess = 0 if fails <= step else find_max(lambda v: _Fit(peak(v) <= cap - extra), step=step,
+                                                 start=fails - step, limit=fails - step, dim=dim).value
+        if guess <= fits:
+            break
+        if _replay(g, prof_at(guess), batch_size, card).fits:
+            fits = guess
+            break
+        fails = guess
+    while fails - fits > step:
+        mid = (fits + fails) // 2 // step * step
+        if _replay(g, prof_at(mid), batch_size, card).fits:
+            fits = mid
+        else:
+            fails = mid
+    return fits
 
 
 def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_size: int | None = None,

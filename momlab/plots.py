@@ -32,6 +32,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from momlab.reference import UNITS
@@ -844,6 +845,46 @@ def prediction_scatter(table: pd.DataFrame, *, title: str | None = "Predicted vs
     if len(rows):  # last, in the figure as laid out
         _place_labels(fig, ax, np.c_[rows["paper_point"].astype(float), rows["predicted_max_batch"].astype(float)],
                       list(rows["mom"]))
+    return fig
+
+
+def predicted_largest(table: pd.DataFrame, *, title: str | None = "Predicted vs measured largest model") -> Figure:
+    """`momlab.validation.largest_table` drawn: one panel per size keyword, one row per MOM; the paper's bracket
+    (its size that last fit to the next, that failed; hatched where that size is the sweep's next, its OOM
+    record having lost it) as a gray bar, momlab's prediction as a marker in the MOM's color (filled: by the
+    table's allocator; hollow: the ideal allocator's, where it differs)."""
+    dims = list(dict.fromkeys(table["dim"]))
+    fig = Figure(figsize=(4.2 * max(1, len(dims)), 3.0), layout="constrained")
+    axes = fig.subplots(1, max(1, len(dims)), squeeze=False)[0]
+    allocator = table["allocator"].iloc[0] if len(table) else "ideal"
+    for ax, dim in zip(axes, dims):
+        g = table[table["dim"] == dim].reset_index(drop=True)
+        for y, r in g.iterrows():
+            lo, hi = r["paper_largest"], r["paper_first_oom"]
+            if lo is not pd.NA and hi is not pd.NA:
+                ax.barh(y, float(hi - lo), left=float(lo), height=0.5, color="0.85", edgecolor="0.55", lw=0.6,
+                        hatch="///" if r["first_oom_from"] == "grid" else None, zorder=1)
+            color = mom_style(r["mom"])["color"]
+            if r["predicted"] is not pd.NA:
+                ax.scatter([float(r["predicted"])], [y], color=color, s=40, zorder=3)
+            if r["predicted_ideal"] is not pd.NA and r["predicted_ideal"] != r["predicted"]:
+                ax.scatter([float(r["predicted_ideal"])], [y], facecolors="none", edgecolors=color, s=40, zorder=3)
+        ax.set_yticks(range(len(g)), list(g["mom"]), fontsize=7)
+        ax.use_sticky_edges = False  # the bars start inside the frame
+        ax.margins(x=0.06)
+        ax.invert_yaxis()
+        ax.set_xlabel(f"largest {dim} that trains at batch {int(g['batch_size'].iloc[0])}")
+        ax.grid(axis="x", color="0.9", lw=0.5)
+    handles = [Patch(facecolor="0.85", edgecolor="0.55", label="paper: last fit to first OOM"),
+               Patch(facecolor="0.85", edgecolor="0.55", hatch="///", label="first OOM: the sweep's next size"),
+               Line2D([], [], ls="", marker="o", color="0.3", label=f"predicted ({allocator} allocator)")]
+    if (table["predicted_ideal"] != table["predicted"]).any():
+        handles.append(Line2D([], [], ls="", marker="o", markerfacecolor="none", color="0.3",
+                              label="predicted, ideal allocator"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=4, fontsize=7, frameon=False)
+    model = table["model"].iloc[0] if len(table) else ""
+    _title(fig, title, f"{model} on one V100 16 GB: predicted with the paper's software stack (not measured); "
+                       "measured: the paper's scaling sweeps")
     return fig
 
 

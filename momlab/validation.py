@@ -21,6 +21,9 @@ Memory, predicted with the paper's own software stack (``setup="paper"``,
   optimizer state) and peak at the paper's breakdown batch sizes.
 - `slope_table`: peak memory per extra sample, and what the step keeps at
   the end of forward, against the paper's memory sweeps.
+- `largest_table`: S2, the largest BERT-L that trains at batch 24 per MOM,
+  deeper or wider, predicted against the paper's depth and width sweeps
+  (the size where its run last fit and the next, where it failed).
 - `paper_headroom`: the paper against itself. Where its run stopped, as a
   share of the batch at which its own peak-memory records (a line through
   its memory sweep) fill the card. Near 1 its run stopped where its
@@ -56,7 +59,7 @@ import pandas as pd
 from momlab import reference
 from momlab.errors import check_choice
 from momlab.estimate import (ALLOCATORS, best_throughput, calibrate, cuda_overheads, estimate, predict_max_batch,
-                             profile, throughput_curve)
+                             predict_max_size, profile, throughput_curve)
 from momlab.timemodel import StepTime
 
 GPU = "V100-16"
@@ -81,6 +84,8 @@ BREAKDOWN_BATCH = {"resnet50": 80, "bert-large": 36, "swin-large": 36, "gpt3-sma
 GPU_BOUND_HEADROOM = 0.5
 # the paper's S1 models whose maximum batch momlab predicts by default (ResNet-152, GPT3-Medium have data too)
 MEMORY_MODELS = ["resnet50", "wide-resnet50-2", "swin-large", "bert-large", "gpt3-small"]
+# the paper's S2 sweeps (BERT-large at batch 24, `largest_table`): deeper and wider
+LARGEST_DIMS = ("num_layers", "hidden_size")
 # the paper's depth study (S2'): BERT-large, Checkpoint against Exact
 DEPTH_MOMS = ("exact", "ckpt")
 
@@ -563,6 +568,54 @@ def max_batch_summary(table: pd.DataFrame) -> dict:
     comparable = table[table["comparable"]]
     bound = comparable[comparable["gpu_bound"]] if "gpu_bound" in comparable else comparable
     return {**stats(comparable), **stats(bound, "_gpu_bound"), **stats(comparable, "_vs_records", "error_vs_records")}
+
+
+def largest_table(dims=LARGEST_DIMS, moms=None, *, model: str = "bert-large", batch_size: int = 24,
+                  setup: str = SETUP, allocator: str = "caching") -> pd.DataFrame:
+    """S2 on one V100: the largest model each MOM trains at `batch_size`, predicted (`predict_max_size`, the
+    caching allocator replayed as in `max_batch_table`'s headline, or `allocator` "ideal") against the paper's
+    scaling sweeps (`reference.paper_largest`), per size keyword of `dims`.
+
+    The paper stepped its sizes coarsely (depth 4 layers, width 96), so its answer is a bracket: the largest size
+    that fit and the next, where its run failed (``paper_first_oom``; ``first_oom_from`` "grid" where the sweep
+    lost that run's size). Columns: model, dim, mom, batch_size, paper_largest, paper_first_oom,
+    first_oom_from, paper_point (the bracket's midpoint, as `max_batch_table`'s), predicted_ideal (no
+    fragmentation), predicted (by `allocator`), allocator, error (predicted / paper_point - 1), in_bracket
+    (paper_largest <= predicted < paper_first_oom; open above where the paper recorded no failure), note (the paper's MOM another system; "not predicted: ..."
+    where the estimate cannot be made). Minutes at real size (every width is its own trace, and each size
+    the caching allocator is asked about its own replay).
+    """
+    check_choice("allocator", allocator, ALLOCATORS)
+    prec = reference.PRECISION[model]
+    rows = []
+    for dim in dims:
+        paper = reference.paper_largest(dim, model=model, batch_size=batch_size)
+        for r in paper.itertuples(index=False):
+            if moms is not None and r.mom not in moms:
+                continue
+            lo, hi = r[paper.columns.get_loc(dim)], r.first_oom
+            note = _other_system(model, r.mom, None)
+            kw = dict(dim=dim, batch_size=batch_size, gpu=GPU, precision=prec, setup=setup)
+            try:
+                ideal = predict_max_size(model, PAPER_MOMS.get(r.mom, r.mom), **kw)
+                pred = (ideal if allocator == "ideal"
+                        else predict_max_size(model, PAPER_MOMS.get(r.mom, r.mom), allocator=allocator, **kw))
+            except ValueError as exc:
+                ideal = pred = None
+                note = note or f"not predicted: {str(exc).splitlines()[0]}"
+            point = (lo + hi) / 2 if lo is not pd.NA and hi is not pd.NA else math.nan
+            rows.append({"model": model, "dim": dim, "mom": r.mom, "batch_size": batch_size, "paper_largest": lo,
+                         "paper_first_oom": hi, "first_oom_from": r.first_oom_from, "paper_point": point,
+                         "predicted_ideal": pd.NA if ideal is None else ideal,
+                         "predicted": pd.NA if pred is None else pred, "allocator": allocator,
+                         "error": pred / point - 1 if pred is not None and point == point else math.nan,
+                         "in_bracket": bool(pred is not None and lo is not pd.NA and lo <= pred
+                                            and (hi is pd.NA or pred < hi)),
+                         "note": note})
+    out = pd.DataFrame(rows)
+    for col in ("paper_largest", "paper_first_oom", "predicted_ideal", "predicted"):
+        out[col] = out[col].astype("Int64")
+    return out
 
 
 def breakdown_table(models=None, *, setup: str = SETUP) -> pd.DataFrame:

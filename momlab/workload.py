@@ -26,7 +26,8 @@ accelerate/AMP, Swin's apex O1, ResNet's AMP), except GPT: fairseq's ``--fp16``
 runs a half model with a flat fp32 master copy in its optimizer
 (`momlab.master`, `Stack.mixed`), its attention dropout is off (fairseq's GPT-3
 architectures default it to 0.0) and its MLP activation is fairseq's exact GELU,
-computed in fp32 (where transformers' GPT-2 uses the tanh approximation);
+computed in fp32 (where transformers' GPT-2 uses the tanh approximation); BERT's MLP keeps the pretrained
+width (4096 for bert-large) whatever its hidden size, as the paper's run_glue.py grew it (`Stack.mlp_width`);
 checkpointing is torch 1.x's reentrant checkpoint for BERT, Swin and GPT (`Stack.checkpoint`) and a MOM's
 saved-tensor hooks stay on through backward, as GACT's controller installed them once for the whole run
 (`Stack.hooks`), so quant4+ckpt quantizes what the recomputation saves and swap+ckpt swaps it;
@@ -154,6 +155,10 @@ class Stack:
     # later runs (gact/conf.py ``check_dup = False``, its default: every save gets its own key, its own packed copy,
     # and is unpacked on its own in backward; its earlier ones: `_PAPER_SAVED_ONCE`)
     saved_once: bool = True
+    # BERT's MLP width (intermediate_size) where it is not 4 x hidden_size: the paper's run_glue.py (GACT's) set
+    # only ``config.hidden_size`` on the pretrained config when it grew the model, so its width sweep kept the
+    # pretrained MLP (bert-large: 4096) at every hidden size; None: 4 x hidden_size
+    mlp_width: int | None = None
 
 
 def stack(model: str, setup: str = "default", attention: str | None = None, precision: str | None = None) -> Stack:
@@ -161,7 +166,7 @@ def stack(model: str, setup: str = "default", attention: str | None = None, prec
     the one it trains in, where the paper's stack differed by precision (`_PAPER_SAVED_ONCE`).
 
     >>> stack("bert-large", "paper")
-    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None, checkpoint='reentrant', hooks='step', softmax_saves_input=True, extended_mask=True, quantizer='gact', saved_once=False)
+    Stack(setup='paper', attention='eager', optimizer='adamw', activation=None, grads_to_none=False, ddp_buckets=False, foreach=False, timed='forward-backward', mixed='autocast', attention_dropout=None, checkpoint='reentrant', hooks='step', softmax_saves_input=True, extended_mask=True, quantizer='gact', saved_once=False, mlp_width=4096)
     >>> stack("bert-large", "paper", precision="fp32").saved_once  # the paper's earlier fp32 runs
     True
     >>> stack("gpt3-small", "paper").mixed
@@ -190,7 +195,8 @@ def stack(model: str, setup: str = "default", attention: str | None = None, prec
                  checkpoint="reentrant" if paper and family in _PAPER_REENTRANT else "non-reentrant",
                  hooks="step" if paper else "forward", softmax_saves_input=paper,
                  extended_mask=paper and family == "bert", quantizer="gact" if paper else "momlab",
-                 saved_once=not paper or precision in _PAPER_SAVED_ONCE.get(family, ()))
+                 saved_once=not paper or precision in _PAPER_SAVED_ONCE.get(family, ()),
+                 mlp_width=4 * catalog.resolve_size(model, {})["hidden_size"] if paper and family == "bert" else None)
 
 
 @dataclass
@@ -368,11 +374,11 @@ def build(model: str, *, batch_size: int, mom: str = "exact", device: str = "cpu
     made_as = _default_dtype(_HALF[precision]) if half else nullcontext()
     if dev.type == "meta":
         with torch.device("meta"), made_as:
-            net = catalog.make_model(model, size, attention=st.attention)
+            net = catalog.make_model(model, size, attention=st.attention, mlp_width=st.mlp_width)
         net = net.to("meta")  # a user's module instance is copied with its own (cpu) weights
     else:
         with made_as:
-            net = catalog.make_model(model, size, attention=st.attention)
+            net = catalog.make_model(model, size, attention=st.attention, mlp_width=st.mlp_width)
         if dev.type != "cpu":  # built on the CPU; .to() would try to swap a fake tensor's storage (estimate)
             net = net.to(dev)
     if st.activation is not None:

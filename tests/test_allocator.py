@@ -104,6 +104,19 @@ def test_caching_max_batch_is_the_largest_the_replay_serves():
     assert E.estimate("bert-base", "exact", batch_size=best, **kw).reserved_bytes is None  # ideal: not replayed
 
 
+def test_caching_max_size_is_the_largest_the_replay_serves():
+    size = {k: v for k, v in TINY_BERT.items() if k != "num_layers"}
+    kw = dict(gpu="V100-16", precision="fp16", budget="96MiB", **size)  # one layer reserves 64 MiB
+    ideal = E.predict_max_size("bert-base", "exact", dim="num_layers", batch_size=8, **kw)
+    best = E.predict_max_size("bert-base", "exact", dim="num_layers", batch_size=8, allocator="caching", **kw)
+    assert 0 < best <= ideal
+    at, above = (E.estimate("bert-base", "exact", batch_size=8, allocator="caching", num_layers=n, **kw)
+                 for n in (best, best + 1))
+    assert at.fits and not above.fits
+    with pytest.raises(ValueError, match="ideal.*caching"):
+        E.predict_max_size("bert-base", dim="num_layers", batch_size=8, allocator="buddy", **kw)
+
+
 def test_bad_allocator_settings_name_the_valid_ones():
     with pytest.raises(ValueError, match="ideal.*caching"):
         E.predict_max_batch("bert-base", gpu="V100-16", allocator="buddy", **TINY_BERT)

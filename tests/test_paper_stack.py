@@ -498,6 +498,34 @@ def test_cuda_overheads_are_named_fields():
 
 # -- the validation table ------------------------------------------------------------------------
 
+def test_the_papers_bert_keeps_its_pretrained_mlp_when_it_grows_wider():
+    """GACT's run_glue.py set only ``config.hidden_size`` on bert-large-cased's config: its width sweep kept
+    intermediate_size 4096; today's stack (and the paper's other models) scale the MLP with the width."""
+    assert stack("bert-large", "paper").mlp_width == 4096 and stack("bert-base", "paper").mlp_width == 3072
+    assert stack("bert-large").mlp_width is None and stack("gpt3-small", "paper").mlp_width is None
+    mlp = {setup: build("bert-large", batch_size=1, device="meta", setup=setup, hidden_size=1312, num_layers=1)
+           .model.bert.encoder.layer[0].intermediate.dense.out_features for setup in ("paper", "default")}
+    assert mlp == {"paper": 4096, "default": 4 * 1312}
+    with pytest.raises(ValueError, match="not a BERT"):
+        catalog.make_model("gpt3-small", catalog.tiny("gpt3-small"), mlp_width=256)
+
+
+def test_largest_table_brackets(monkeypatch):
+    def predict(model, mom, allocator="ideal", dim="num_layers", **kw):
+        return {"num_layers": 35, "hidden_size": 1488}[dim] - (0 if allocator == "ideal" else 1)
+
+    monkeypatch.setattr(validation, "predict_max_size", predict)
+    t = validation.largest_table(moms=["exact"]).set_index("dim")
+    # the paper: 32 layers fit, 36 failed; 1312 wide fit, the next size of its grid (1408) failed
+    assert t.loc["num_layers", ["paper_largest", "paper_first_oom", "paper_point"]].tolist() == [32, 36, 34.0]
+    assert t.loc["num_layers", "in_bracket"] and t.loc["num_layers", "error"] == pytest.approx(34 / 34 - 1)
+    assert t.loc["hidden_size", "first_oom_from"] == "grid" and not t.loc["hidden_size", "in_bracket"]
+    assert (t.loc["hidden_size", "predicted_ideal"], t.loc["hidden_size", "predicted"]) == (1488, 1487)
+    assert t.loc["hidden_size", "error"] == pytest.approx(1487 / 1360 - 1)
+    with pytest.raises(ValueError, match="ideal, caching"):
+        validation.largest_table(allocator="buddy")
+
+
 def test_max_batch_table_rows_and_marks(monkeypatch):
     def predict(model, mom, allocator="ideal", **kw):
         if mom == "ckpt-dtr":

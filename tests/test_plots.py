@@ -343,3 +343,27 @@ def test_prediction_scatter_labels_its_points_without_covering_one_another():
     # the hollow point is the one that is not comparable, and the legend does not sit on the data
     assert len(ax.collections) >= 2
     assert not fig.legends[0].get_window_extent().overlaps(ax.get_window_extent())
+
+
+def test_predicted_largest_draws_the_papers_brackets_and_the_predictions():
+    """One bar per MOM spanning the paper's bracket (hatched where its upper end is the sweep's next size), a
+    filled marker at the prediction and a hollow one at the ideal allocator's answer where it differs."""
+    table = pd.DataFrame([
+        {"model": "bert-large", "dim": "num_layers", "mom": "exact", "batch_size": 24, "paper_largest": 32,
+         "paper_first_oom": 36, "first_oom_from": "recorded", "predicted_ideal": 35, "predicted": 35},
+        {"model": "bert-large", "dim": "num_layers", "mom": "ckpt", "batch_size": 24, "paper_largest": 60,
+         "paper_first_oom": 64, "first_oom_from": "recorded", "predicted_ideal": 66, "predicted": 63},
+        {"model": "bert-large", "dim": "hidden_size", "mom": "exact", "batch_size": 24, "paper_largest": 1312,
+         "paper_first_oom": 1408, "first_oom_from": "grid", "predicted_ideal": 1488, "predicted": 1392}])
+    for col in ("paper_largest", "paper_first_oom", "predicted_ideal", "predicted"):
+        table[col] = table[col].astype("Int64")
+    table["allocator"] = "caching"
+    fig = plots.predicted_largest(table)
+    depth, width = fig.axes[:2]
+    bars = [(p.get_x(), p.get_x() + p.get_width()) for p in depth.patches]
+    assert bars == [(32, 36), (60, 64)] and not any(p.get_hatch() for p in depth.patches)
+    assert [(p.get_x(), p.get_x() + p.get_width()) for p in width.patches] == [(1312, 1408)]
+    assert width.patches[0].get_hatch() == "///"
+    xs = sorted(float(c.get_offsets()[0][0]) for c in depth.collections)
+    assert xs == [35.0, 63.0, 66.0]  # exact's two answers agree: one marker; ckpt's ideal one hollow
+    assert [t.get_text() for t in depth.get_yticklabels()] == ["exact", "ckpt"]

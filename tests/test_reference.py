@@ -129,6 +129,20 @@ def test_largest_depth_at_batch_24():
     assert got.loc["exact", "throughput"] == pytest.approx(94.9)
 
 
+def test_largest_width_bounds_where_the_sweep_lost_the_failing_size():
+    """The BERT width sweep's OOM records lost their hidden size; the raw file
+    (text_classification_fp16_v100_results_speed_results_model_size_width.json) writes the sweep in rounds of
+    the six MOMs at 1120 + 96k, and each MOM's first failing record sits in the round after its largest fit:
+    exact's in the 1408 round, quant4's and ckpt's in the 1888 round, the other three's in the 1984 round."""
+    got = paper_largest("hidden_size").set_index("mom")
+    assert got["hidden_size"].to_dict() == {"exact": 1312, "ckpt": 1792, "quant4": 1792, "quant4+swap": 1888,
+                                            "quant4+ckpt": 1888, "swap+ckpt": 1888}
+    assert got["first_oom"].to_dict() == {"exact": 1408, "ckpt": 1888, "quant4": 1888, "quant4+swap": 1984,
+                                          "quant4+ckpt": 1984, "swap+ckpt": 1984}
+    assert set(got["first_oom_from"]) == {"grid"}
+    assert set(paper_largest("num_layers")["first_oom_from"]) == {"recorded"}
+
+
 def test_depth_curves_cross_at_34_layers():
     curves = paper_scaling("num_layers").pivot(index="num_layers", columns="mom",
                                                values="max_throughput")

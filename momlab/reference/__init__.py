@@ -306,9 +306,12 @@ def paper_largest(dim: str, model: str = "bert-large", batch_size: int = 24) -> 
     """S2: per MOM, the largest model size that trains at ``batch_size``.
 
     Columns: model, mom, ``<dim>`` (largest size that fit), throughput (at
-    it), first_oom (smallest failing size above it, <NA> when the sweep
-    recorded none or lost the size, as the BERT width sweep's OOM markers
-    do). BERT-L depth at batch 24: exact 32 layers, quant4 52, ckpt 60.
+    it), first_oom (smallest failing size above it), first_oom_from
+    ("recorded"; "grid" where the sweep lost the failing run's size, as the
+    BERT width sweep's OOM markers do: the sweep's next size above the
+    largest fit, its sizes evenly spaced and every MOM stepped through them
+    in turn, the raw file's order; <NA> when the MOM recorded no failure).
+    BERT-L depth at batch 24: exact 32 layers, quant4 52, ckpt 60.
     """
     d = _dim(dim)
     exp = "max_depth" if d == "num_layers" else "max_width"
@@ -320,17 +323,23 @@ def paper_largest(dim: str, model: str = "bert-large", batch_size: int = 24) -> 
                       ["model", "experiment", "batch_size"]]
         raise ValueError(f"no {exp} sweep for {model!r} at batch {batch_size}; "
                          f"available: {sorted(set(map(tuple, have.values)))}")
+    sizes = np.unique(runs[f"size.{d}"].dropna())
+    step = np.diff(sizes).min() if len(sizes) > 1 else None
     rows = []
     for mom, g in runs.groupby("mom", sort=False):
         ok = g[g["fits"] & g[f"size.{d}"].notna()]
         largest = ok[f"size.{d}"].max() if len(ok) else pd.NA
         at = ok[ok[f"size.{d}"] == largest]
-        failing = g.loc[~g["fits"], f"size.{d}"].dropna()
+        failed = g.loc[~g["fits"], f"size.{d}"]
+        failing = failed.dropna()
         if largest is not pd.NA:
             failing = failing[failing > largest]
+        first, source = (failing.min(), "recorded") if len(failing) else (pd.NA, pd.NA)
+        if first is pd.NA and failed.isna().any() and largest is not pd.NA and step:
+            first, source = largest + step, "grid"
         rows.append({"model": model, "mom": mom, d: largest,
                      "throughput": at["throughput"].max() if len(at) else np.nan,
-                     "first_oom": failing.min() if len(failing) else pd.NA})
+                     "first_oom": first, "first_oom_from": source})
     out = pd.DataFrame(rows)
     for col in [d, "first_oom"]:
         out[col] = out[col].astype("Int64")
