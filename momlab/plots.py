@@ -867,7 +867,7 @@ def predicted_largest(table: pd.DataFrame, *, title: str | None = "Predicted vs 
             color = mom_style(r["mom"])["color"]
             if r["predicted"] is not pd.NA:
                 ax.scatter([float(r["predicted"])], [y], color=color, s=40, zorder=3)
-            if r["predicted_ideal"] is not pd.NA and r["predicted_ideal"] != r["predicted"]:
+            if r["predicted"] is not pd.NA and r["predicted_ideal"] != r["predicted"]:  # both NA or neither
                 ax.scatter([float(r["predicted_ideal"])], [y], facecolors="none", edgecolors=color, s=40, zorder=3)
         ax.set_yticks(range(len(g)), list(g["mom"]), fontsize=7)
         ax.use_sticky_edges = False  # the bars start inside the frame
