@@ -1544,31 +1544,36 @@ def _check_caching(g: Gpu) -> None:
 
 
 def _max_batch_caching(g: Gpu, prof: Profile, budget) -> int:
-    """Largest batch the replayed caching allocator serves within the capacity.
-
-    The ideal answer bounds it (the allocator's blocks hold at least the live bytes); below it, each failing
-    batch gives the next guess: the ideal answer for the capacity less the reserve that batch wanted beyond
-    its live peak (measured by a replay without a limit). A guess that fits is refined by bisection.
-    """
+    """Largest batch the replayed caching allocator serves within the capacity (`_largest_served`)."""
     capacity = _capacity(g, budget, prof.setup)
-    top = _max_batch(g, prof, budget)
-    if top == 0 or _replay(g, prof, top, capacity).fits:
+
+    def retry(batch: int) -> int:
+        extra = _replay(g, prof, batch, UNLIMITED).peak_reserved - int(prof.at(batch).peak_bytes)
+        return min(batch - 1, prof.max_batch_size(capacity - extra))
+
+    return _largest_served(_max_batch(g, prof, budget), 1, lambda b: _replay(g, prof, b, capacity).fits, retry)
+
+
+def _largest_served(top: int, step: int, serves, retry) -> int:
+    """The largest multiple of `step` the replayed caching allocator serves (`serves(value)`), from the ideal
+    answer `top`, which bounds it (the allocator's blocks hold at least the live bytes). Below it, each value
+    it cannot serve gives the next guess, `retry(value)`: the ideal answer for the capacity less the reserve
+    that value wanted beyond its live peak (measured by a replay without a limit), below `value`. A guess it
+    serves is refined by bisection."""
+    if top == 0 or serves(top):
         return top
     fits, fails = 0, top
-    guess = top
     while True:
-        unlimited = _replay(g, prof, guess, UNLIMITED)
-        extra = unlimited.peak_reserved - int(prof.at(guess).peak_bytes)  # the reserve beyond the live peak
-        guess = min(fails - 1, prof.max_batch_size(capacity - extra))
+        guess = retry(fails)
         if guess <= fits:
             break
-        if _replay(g, prof, guess, capacity).fits:
+        if serves(guess):
             fits = guess
             break
         fails = guess
-    while fails - fits > 1:
-        mid = (fits + fails) // 2
-        if _replay(g, prof, mid, capacity).fits:
+    while fails - fits > step:
+        mid = (fits + fails) // 2 // step * step
+        if serves(mid):
             fits = mid
         else:
             fails = mid
@@ -1728,29 +1733,15 @@ def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers",
             self.fits = ok
 
     s = find_max(lambda v: _Fit(peak(v) <= cap), step=step, start=max(step, guess), limit=limit, dim=dim)
-    if allocator == "ideal" or s.value == 0 or _replay(g, prof_at(s.value), batch_size, card).fits:
+    if allocator == "ideal":
         return s.value
-    # as `_max_batch_caching`: each size the allocator cannot serve gives the next guess, the ideal answer for
-    # the capacity less the reserve it wanted beyond its live peak; a guess it serves is refined by bisection
-    fits, fails = 0, s.value
-    while True:
-        unlimited = _replay(g, prof_at(fails), batch_size, UNLIMITED)
-        extra = unlimited.peak_reserved - peak(fails)
-        guess = 0 if fails <= step else find_max(lambda v: _Fit(peak(v) <= cap - extra), step=step,
-                                                 start=fails - step, limit=fails - step, dim=dim).value
-        if guess <= fits:
-            break
-        if _replay(g, prof_at(guess), batch_size, card).fits:
-            fits = guess
-            break
-        fails = guess
-    while fails - fits > step:
-        mid = (fits + fails) // 2 // step * step
-        if _replay(g, prof_at(mid), batch_size, card).fits:
-            fits = mid
-        else:
-            fails = mid
-    return fits
+
+    def retry(value: int) -> int:
+        extra = _replay(g, prof_at(value), batch_size, UNLIMITED).peak_reserved - peak(value)
+        return 0 if value <= step else find_max(lambda v: _Fit(peak(v) <= cap - extra), step=step,
+                                                start=value - step, limit=value - step, dim=dim).value
+
+    return _largest_served(s.value, step, lambda v: _replay(g, prof_at(v), batch_size, card).fits, retry)
 
 
 def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_size: int | None = None,
