@@ -362,7 +362,6 @@ _FORMATS = {torch.bfloat16: FMT_BF16, torch.float16: FMT_FP16}
 _CONV = frozenset({aten.convolution, aten.convolution_backward, aten._convolution})
 _NO_TRAFFIC = frozenset({aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
                          aten.new_empty.default, aten.new_empty_strided.default, aten.lift_fresh.default})
-_OP_IDS: dict = {}
 _EMPTY = frozenset({aten.empty.memory_format, aten.empty_strided.default})  # factories of no values
 
 
@@ -672,7 +671,7 @@ class _Tracer(StorageTracker):
         log["extra"].append(extra)
         log["bytes"].append(moved)
         log["fmt"].append(fmt)
-        log["op"].append(_OP_IDS.setdefault(str(func), len(_OP_IDS)))
+        log["op"].append(timemodel.OP_IDS.setdefault(str(func), len(timemodel.OP_IDS)))
         log["group"].append(self.group)
         log["pad"].append(self.padding_bytes)
         return out
@@ -1299,8 +1298,8 @@ def _disk_path(model: str, mom: str, precision: str, size: dict, kernels: str, s
 
 def _save(path: Path, key: dict, probes: list[Probe]) -> None:
     """Write `probes` to `path` atomically (a reader sees the whole file or none); op ids become names,
-    since `_OP_IDS` numbers ops in the order a process first met them. Unwritable: not kept, no error."""
-    names = {i: name for name, i in _OP_IDS.items()}
+    since `timemodel.OP_IDS` numbers ops in the order a process first met them. Unwritable: not kept, no error."""
+    names = {i: name for name, i in timemodel.OP_IDS.items()}
     used = sorted({int(i) for p in probes for i in np.unique(p.ops)})
     local = np.zeros(max(used, default=0) + 1, dtype=np.int32)
     local[used] = np.arange(len(used), dtype=np.int32)
@@ -1325,7 +1324,8 @@ def _load(path: Path, key: dict) -> list[Probe] | None:
             meta = json.loads(str(z["meta"]))
             if meta.get("key") != key:
                 return None
-            ids = np.array([_OP_IDS.setdefault(name, len(_OP_IDS)) for name in meta["op_names"]], dtype=np.int32)
+            ids = np.array([timemodel.OP_IDS.setdefault(name, len(timemodel.OP_IDS)) for name in meta["op_names"]],
+                           dtype=np.int32)
             return [Probe(**scalars, **{k: (ids[z[f"{n}.ops"]] if k == "ops" else z[f"{n}.{k}"]) for k in _ARRAYS})
                     for n, scalars in enumerate(meta["probes"])]
     except (OSError, ValueError, KeyError, IndexError, TypeError, zipfile.BadZipFile):

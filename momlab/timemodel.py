@@ -145,10 +145,34 @@ class StepTime:
         return self.busy_s / wall if self.busy_s > 0 and wall > 0 else math.nan
 
 
+# aten ops a trace logs that run no kernel on any device: `_unsafe_view` (the view that reshape and matmul take of
+# a fresh result; its schema declares no alias, so the trace logs it, where every other view is left out),
+# `as_strided_` (new sizes and strides on the same storage) and the allocations without values (the caching
+# allocator hands out a block, no kernel writes it). They cost neither bytes, nor a kernel, nor a launch.
+NO_KERNEL = frozenset({"aten._unsafe_view.default", "aten.as_strided_.default", "aten.empty.memory_format",
+                       "aten.empty_strided.default", "aten.empty_like.default", "aten.new_empty.default",
+                       "aten.new_empty_strided.default", "aten.lift_fresh.default"})
+
+
+# a trace's ops as ids (``Probe.ops``): aten op name -> id, numbered in the order this process first meets them
+# (momlab.estimate's tracer numbers them; its traces on disk keep the names)
+OP_IDS: dict = {}
+
+
+def _launched(p) -> np.ndarray:
+    """Per op of trace `p`, whether it runs a kernel (not one of `NO_KERNEL`); every op of a trace without op
+    ids (a hand-built one)."""
+    ops = getattr(p, "ops", None)
+    if ops is None or len(ops) != len(p.flops):
+        return np.ones(len(p.flops), dtype=bool)
+    return ~np.isin(ops, [i for name, i in list(OP_IDS.items()) if name in NO_KERNEL])
+
+
 def _roofline(p, gpu, tf32: bool):
     peaks = _peaks(gpu, tf32)
-    compute = (p.flops + p.extra_flops) / peaks[p.fmt.astype(np.int64)]
-    memory = p.bytes / gpu.memory_bandwidth
+    run = _launched(p)
+    compute = np.where(run, (p.flops + p.extra_flops) / peaks[p.fmt.astype(np.int64)], 0.0)
+    memory = np.where(run, p.bytes / gpu.memory_bandwidth, 0.0)
     return compute, memory
 
 
@@ -167,8 +191,9 @@ def _kernels(p, gpu: Gpu, cal: "Calibration", tf32: bool = False) -> tuple[np.nd
     seconds to issue each op (a fused kernel is one launch), and the fused kernels' total."""
     compute, memory = _roofline(p, gpu, tf32)
     overhead = cal.kernel_s if gpu.kernels == "cuda" else 0.0  # a CPU op's fixed cost is its launch
-    k = np.maximum(compute / _compute_eff(cal)[p.fmt.astype(np.int64)], memory / cal.memory_efficiency) + overhead
-    h = np.full(len(k), cal.launch_s)
+    run = _launched(p)
+    k = np.maximum(compute / _compute_eff(cal)[p.fmt.astype(np.int64)], memory / cal.memory_efficiency) + overhead * run
+    h = cal.launch_s * run
     fused = 0.0
     group = _fused(p)
     if gpu.kernels == "cuda" and group is not None:  # compiled on CUDA only
@@ -314,11 +339,14 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
     per_op = np.maximum(compute, memory)
     ideal = float(per_op.sum())
     n = len(per_op)
+    run = _launched(p)
+    launched = int(run.sum())
     parts = dict(ideal_s=ideal, compute_bound_s=float(per_op[compute >= memory].sum()),
-                 memory_bound_s=float(per_op[compute < memory].sum()), launch_s=n * cal.launch_s, ops=n)
+                 memory_bound_s=float(per_op[compute < memory].sum()), launch_s=launched * cal.launch_s,
+                 ops=launched)
     if gpu.kernels == "cuda":  # a fused quantization kernel's ops are one kernel
         group = _fused(p)
-        kernels = n if group is None else int((group < 0).sum()) + len(np.unique(group[group >= 0]))
+        kernels = launched if group is None else int(((group < 0) & run).sum()) + len(np.unique(group[group >= 0]))
         parts["overhead_s"] = kernels * cal.kernel_s
     fwd_n, bwd_n = getattr(p, "forward_ops", 0), getattr(p, "backward_ops", 0)
     if not 0 < fwd_n <= bwd_n <= n:  # phases unknown (a trace from before they were recorded): one phase
@@ -327,7 +355,7 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
     fwd, bwd, opt = float(t[:fwd_n].sum()), float(t[fwd_n:bwd_n].sum()), float(t[bwd_n:].sum())
     if gpu.kernels != "cuda":  # a CPU does one thing at a time (swap copies are ops of the trace here)
         # each op in the window pays its launch; the optimizer's only when the window covers it
-        timed, timed_ops = (opt, n) if window == "step" else (0.0, bwd_n)
+        timed, timed_ops = (opt, launched) if window == "step" else (0.0, int(run[:bwd_n].sum()))
         total = fwd + bwd + timed + timed_ops * cal.launch_s
         return StepTime(total, **parts, transfer_s=0.0, forward_s=fwd, backward_s=bwd, optimizer_s=opt,
                         window=window)
@@ -537,7 +565,7 @@ class _Points:
     (`queue_ends` of every record at once; Exact steps have no fused kernels)."""
 
     def __init__(self, probes, measured, gpu: Gpu, syncs=None, windows=None):
-        comp, mem, fmt, lengths, record = [], [], [], [], []
+        comp, mem, fmt, lengths, record, run = [], [], [], [], [], []
         for i, p in enumerate(probes):
             if _fused(p) is not None:
                 raise ValueError("a calibration record must be an Exact step (this one has fused quantization "
@@ -548,12 +576,14 @@ class _Points:
                 n = cut
             comp.append(c[:n])
             mem.append(m[:n])
+            run.append(_launched(p)[:n])
             fmt.append(p.fmt[:n].astype(np.int64))
             # a record is one queue, or two when the host waits for the GPU before the optimizer step
             parts = [cut, n - cut] if syncs is not None and syncs[i] and 0 < cut < n else [n]
             lengths += parts
             record += [i] * len(parts)
         self.compute, self.memory, self.fmt = np.concatenate(comp), np.concatenate(mem), np.concatenate(fmt)
+        self.run = np.concatenate(run).astype(np.float64)  # 1 for an op that runs a kernel, 0 for `NO_KERNEL`'s
         self.starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         self.ends = np.cumsum(lengths) - 1
         self.record_starts = np.flatnonzero(np.diff(np.asarray(record), prepend=-1))  # first queue of each record
@@ -562,23 +592,23 @@ class _Points:
     def predict(self, params: dict, scale: float = 1.0) -> np.ndarray:
         """Each record's step: the sum of `queue_ends` over its queues, every queue of every record at once."""
         eff = np.array([params[k] for k in _FMT_PARAM])
-        k = np.maximum(self.compute / eff[self.fmt], self.memory / params["memory"]) + params["kernel"]
-        ends = queue_ends(k, np.full(len(k), params["launch"]), self.starts)
+        k = np.maximum(self.compute / eff[self.fmt], self.memory / params["memory"]) + params["kernel"] * self.run
+        ends = queue_ends(k, params["launch"] * self.run, self.starts)
         return scale * np.add.reduceat(ends[self.ends], self.record_starts)
 
     def shares(self, params: dict) -> dict:
         """The share of the records' predicted kernel and issue time each parameter governs."""
         eff = np.array([params[k] for k in _FMT_PARAM])
         c, m = self.compute / eff[self.fmt], self.memory / params["memory"]
-        k = np.maximum(c, m) + params["kernel"]
-        host = params["launch"] * len(k)
+        k = np.maximum(c, m) + params["kernel"] * self.run
+        host = params["launch"] * self.run.sum()
         total = k.sum() + host
         out = {name: 0.0 for name in PARAMS}
         for f, name in enumerate(_FMT_PARAM):
             out[name] += float(k[(c >= m) & (self.fmt == f)].sum() / total)
         out["memory"] = float(k[c < m].sum() / total)
         out["launch"] = float(host / total)
-        out["kernel"] = float(params["kernel"] * len(k) / total)
+        out["kernel"] = float(params["kernel"] * self.run.sum() / total)
         return out
 
 
@@ -679,7 +709,7 @@ def _ideal(model, mom, precision, size, batch_size, gpu, trace, tf32=False, setu
     ``trace(model, mom, precision, size, batch_size, kernels, setup)``."""
     p = trace(model, mom, precision, size, batch_size, gpu.kernels, setup)
     compute, memory = _roofline(p, gpu, tf32)
-    return float(np.maximum(compute, memory).sum()), len(p.flops)
+    return float(np.maximum(compute, memory).sum()), int(_launched(p).sum())
 
 
 def _label(r: dict) -> str:

@@ -161,6 +161,7 @@ def _same_probe(a: Probe, b: Probe, names_a: dict, names_b: dict) -> None:
 def test_traces_on_disk_are_the_traces(tmp_path, monkeypatch):
     """A new process reads a configuration's traces from disk instead of tracing: the same traces, op by op."""
     import momlab.estimate as module
+    from momlab import timemodel
 
     monkeypatch.setattr(module, "TRACE_CACHE", tmp_path)
     size = catalog.tiny("bert-base")
@@ -168,13 +169,13 @@ def test_traces_on_disk_are_the_traces(tmp_path, monkeypatch):
     traced = profile("bert-base", "ckpt", kernels="cuda", **size)
     files = list(tmp_path.iterdir())
     assert traced.disk is None and len(files) == 1 and files[0].name.startswith("bert-base-ckpt-fp32-cuda-")
-    names = {i: n for n, i in module._OP_IDS.items()}
+    names = {i: n for n, i in timemodel.OP_IDS.items()}
     clear_cache()
-    monkeypatch.setattr(module, "_OP_IDS", {"aten.an_op_met_first.default": 0})  # a new process's own numbering
+    monkeypatch.setattr(timemodel, "OP_IDS", {"aten.an_op_met_first.default": 0})  # a new process's own numbering
     try:
         read = profile("bert-base", "ckpt", kernels="cuda", **size)
         assert read.disk == files[0] and read._session is None  # nothing was built
-        read_names = {i: n for n, i in module._OP_IDS.items()}
+        read_names = {i: n for n, i in timemodel.OP_IDS.items()}
         _same_probe(traced.lo, read.lo, names, read_names)
         _same_probe(traced.hi, read.hi, names, read_names)
         assert read.aligned and read.at(7).peak_bytes == traced.at(7).peak_bytes
@@ -188,6 +189,7 @@ def test_traces_on_disk_are_the_traces(tmp_path, monkeypatch):
 def test_traces_on_disk_are_keyed_by_what_they_depend_on(tmp_path, monkeypatch):
     """An edit of momlab, another torch, or a damaged file: traced again, never read."""
     import momlab.estimate as module
+    from momlab import timemodel
 
     monkeypatch.setattr(module, "TRACE_CACHE", tmp_path)
     size = catalog.tiny("bert-base")
@@ -216,6 +218,7 @@ def test_traces_on_disk_are_keyed_by_what_they_depend_on(tmp_path, monkeypatch):
 
 def test_source_digest_changes_with_any_edit(tmp_path):
     import momlab.estimate as module
+    from momlab import timemodel
 
     (tmp_path / "a.py").write_text("x = 1\n")
     (tmp_path / "sub").mkdir()
@@ -452,9 +455,9 @@ def test_cuda_kernels_trace_fused_attention():
     size = catalog.tiny("bert-base")
     cpu = profile("bert-base", kernels="cpu", **size)
     cuda = profile("bert-base", kernels="cuda", **size)
-    from momlab.estimate import _OP_IDS
+    from momlab.timemodel import OP_IDS
 
-    names = {v: k for k, v in _OP_IDS.items()}
+    names = {v: k for k, v in OP_IDS.items()}
     cuda_ops = {names[i] for i in cuda.lo.ops}
     assert "aten._scaled_dot_product_efficient_attention.default" in cuda_ops
     assert "aten._safe_softmax.default" not in cuda_ops  # the CPU math path's softmax is gone

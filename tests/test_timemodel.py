@@ -313,6 +313,33 @@ def test_every_kernel_pays_its_overhead_on_the_device_only():
     assert t.step_time_s == pytest.approx(100 * (1e-6 + 1e-6)) and t.overhead_s == 0.0
 
 
+def test_ops_that_run_no_kernel_cost_nothing():
+    """`_unsafe_view` (the view reshape and matmul take of a fresh result: its schema declares no alias, so the
+    trace logs it) and allocations without values run no kernel: with their bytes and an op of their own each,
+    a step takes what it takes without them, on a GPU (no kernel, no launch) and on a CPU; and a traced step
+    logs such views under that name (eager attention's matmuls), so the rule meets the ops it is for."""
+    from momlab import catalog
+    from momlab.estimate import profile
+    from momlab.timemodel import OP_IDS
+
+    mm, view, empty = (OP_IDS.setdefault(n, len(OP_IDS)) for n in (
+        "aten.mm.default", "aten._unsafe_view.default", "aten.empty.memory_format"))
+    cal = _cal(TRUTH)
+    ms = V100.memory_bandwidth * TRUTH["memory"] * 1e-3
+    plain = _step([1e9] * 4, [ms] * 4, [FP16] * 4, forward=2, backward=4)
+    plain.ops = np.full(4, mm, dtype=np.int32)
+    mixed = _step([1e9, 0, 1e9, 0, 1e9, 0, 1e9], [ms, ms, ms, 4 * ms, ms, ms, ms], [FP16, FP32] * 3 + [FP16],
+                  forward=4, backward=7)
+    mixed.ops = np.array([mm, view, mm, empty, mm, view, mm], dtype=np.int32)
+    for g in (V100, get("cpu")):
+        a, b = step_time(plain, g, cal), step_time(mixed, g, cal)
+        assert b.step_time_s == pytest.approx(a.step_time_s) and b.ops == a.ops == 4
+        assert b.ideal_s == pytest.approx(a.ideal_s) and b.launch_s == pytest.approx(a.launch_s)
+    p = profile("bert-base", kernels="cuda", setup="paper", **catalog.tiny("bert-base")).lo  # eager attention
+    names = {i: n for n, i in OP_IDS.items()}
+    assert "aten._unsafe_view.default" in {names[int(i)] for i in p.ops}
+
+
 def test_the_host_runs_ahead_of_the_gpu():
     """Eager PyTorch issues kernels asynchronously: the host's time per op hides behind long kernels and
     short kernels wait for the host, so a step is not the sum of per-op maxima of kernel and launch."""
