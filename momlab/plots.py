@@ -35,6 +35,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from momlab.errors import check_choice
 from momlab.reference import UNITS
 from momlab.units import format_bytes, parse_bytes
 
@@ -760,24 +761,26 @@ def predicted_utilization(table: pd.DataFrame, *,
 def predicted_depth(depth: pd.DataFrame, *, pred_crossing: float = math.nan, paper_crossing: float = math.nan,
                     pred_crossing_paper_batches: float = math.nan,
                     title: str | None = "S2': maximum throughput against depth, predicted and the paper's",
-                    device: str = "V100 16 GB", unit: str = "seq/s") -> Figure:
-    """Maximum throughput (best batch that fits) against number of layers per MOM: predicted lines,
+                    device: str = "V100 16 GB", unit: str = "seq/s", dim: str = "num_layers") -> Figure:
+    """Maximum throughput (best batch that fits) against model size per MOM: predicted lines,
     the paper's points, and a vertical line where each says the second MOM overtakes Exact
-    (``momlab.validation.depth_curves`` and ``crossing``). Where `depth` has the prediction over the batch
+    (``momlab.validation.depth_curves`` and ``crossing``; `dim` "hidden_size" for
+    ``validation.width_curves``). Where `depth` has the prediction over the batch
     sizes the paper ran (``pred_throughput_paper_batches``), it is drawn dashed, with its crossing."""
+    check_choice("dim", dim, ("num_layers", "hidden_size"))
     fig, (ax,) = _grid(1, 1, panel=(6.4, 4.0))
     like = "pred_throughput_paper_batches" in depth
     for mom in _moms_in_order(depth["mom"]):
         st = mom_style(mom)
-        g = depth[depth["mom"] == mom].sort_values("num_layers")
+        g = depth[depth["mom"] == mom].sort_values(dim)
         pred = g[g["pred_throughput"] > 0]
-        ax.plot(pred["num_layers"], pred["pred_throughput"], color=st["color"], linestyle="-", linewidth=1.6)
+        ax.plot(pred[dim], pred["pred_throughput"], color=st["color"], linestyle="-", linewidth=1.6)
         if like:
             same = g[g["pred_throughput_paper_batches"] > 0]
-            ax.plot(same["num_layers"], same["pred_throughput_paper_batches"], color=st["color"], linestyle="--",
+            ax.plot(same[dim], same["pred_throughput_paper_batches"], color=st["color"], linestyle="--",
                     linewidth=1.2)
         seen = g[g["paper_throughput"].notna()]
-        ax.plot(seen["num_layers"], seen["paper_throughput"], color=st["color"], marker=st["marker"],
+        ax.plot(seen[dim], seen["paper_throughput"], color=st["color"], marker=st["marker"],
                 linestyle="none", markersize=5)
     marks = [(pred_crossing, "-", "predicted, every batch"), (paper_crossing, ":", "paper")]
     if like:
@@ -787,7 +790,7 @@ def predicted_depth(depth: pd.DataFrame, *, pred_crossing: float = math.nan, pap
         if math.isfinite(x):
             ax.axvline(x, color="gray", linestyle=style, linewidth=1)
             ax.text(x, top * 0.95 / 1.6 ** k, f" {label}: {x:.0f}", fontsize=7, va="top")
-    ax.set_xlabel("number of layers")
+    ax.set_xlabel({"num_layers": "number of layers", "hidden_size": "hidden size"}[dim])
     ax.set_ylabel(f"max throughput ({unit})")
     ax.set_yscale("log")
     ax.grid(alpha=0.3)

@@ -313,57 +313,101 @@ def depth_curves(depths=None, *, model: str = "bert-large", gpu: str = GPU, resu
     pred_throughput, pred_best_paper_batch, pred_throughput_paper_batches,
     paper_best_batch, paper_throughput (NaN where the paper has no point).
     """
-    paper = reference.paper_scaling("num_layers", model)
-    tried = reference.paper_scaling_runs("num_layers", model)
-    depths = sorted(set(paper["num_layers"])) if depths is None else list(depths)
-    prec = reference.PRECISION[model]
-    from momlab.gpus import get as get_gpu
-
-    g = get_gpu(gpu)
-    cap = g.memory_bytes - cuda_overheads(g, SETUP).context_bytes
-    # every batch up to 512 (the paper's deeper models fit a few dozen), log-spaced above, and the paper's own
-    grid = np.unique(np.concatenate([np.arange(1, min(512, max_batch) + 1),
-                                     np.round(np.geomspace(1, max_batch, 96)).astype(int),
-                                     tried["batch_size"].astype(int).to_numpy()]))
-    grid = grid[grid <= max_batch]
+    study = _Study("num_layers", model, gpu, max_batch)
+    depths = sorted(set(study.paper["num_layers"])) if depths is None else list(depths)
     d1, d2 = traced
     rows = []
     for mom in DEPTH_MOMS:
         peaks, times = [], []
         for d in traced:
-            prof = profile(model, mom, precision=prec, kernels=g.kernels, num_layers=d, setup=SETUP)
-            peaks.append(prof.peak_bytes(grid))
-            est = throughput_curve(model, mom, gpu=gpu, batch_sizes=grid, precision=prec, results=results,
-                                   num_layers=d, setup=SETUP)
-            times.append(np.array([e.step_time_s for e in est]))
+            peak, t = study.predict(mom, results, num_layers=d)
+            peaks.append(peak)
+            times.append(t)
         for d in depths:
             w = (d - d1) / (d2 - d1)
-            peak = peaks[0] + w * (peaks[1] - peaks[0])
-            t = times[0] + w * (times[1] - times[0])
-            fits = peak <= cap
-            tp = np.where(fits, grid / t, 0.0)
-            i = int(np.argmax(tp))
-            fit_batches = grid[fits]
-            ran = tried[(tried["mom"] == mom) & (tried["size.num_layers"] == d)]["batch_size"].astype(int)
-            on = np.isin(grid, ran.to_numpy())
-            tp_paper = np.where(fits & on, tp, 0.0)
-            j = int(np.argmax(tp_paper))
-            got = paper[(paper["mom"] == mom) & (paper["num_layers"] == d)]
-            rows.append({"mom": mom, "num_layers": d,
-                         "pred_max_batch": int(fit_batches.max()) if len(fit_batches) else 0,
-                         "pred_best_batch": int(grid[i]) if tp[i] > 0 else 0, "pred_throughput": float(tp[i]),
-                         "pred_best_paper_batch": int(grid[j]) if tp_paper[j] > 0 else 0,
-                         "pred_throughput_paper_batches": float(tp_paper[j]) if on.any() else math.nan,
-                         "paper_best_batch": int(got["best_batch_size"].iloc[0]) if len(got) else 0,
-                         "paper_throughput": float(got["max_throughput"].iloc[0]) if len(got) else math.nan})
+            rows.append(study.row(mom, d, peaks[0] + w * (peaks[1] - peaks[0]), times[0] + w * (times[1] - times[0])))
     return pd.DataFrame(rows)
 
 
-def crossing(depth: pd.DataFrame, column: str, mom: str = "ckpt", base: str = "exact") -> float:
-    """The depth at which `mom`'s maximum throughput overtakes `base`'s (linear between the depths around
-    the first sign change of their difference); NaN when it never does."""
-    a = depth[depth["mom"] == mom].set_index("num_layers")[column]
-    b = depth[depth["mom"] == base].set_index("num_layers")[column]
+def width_curves(widths=None, *, model: str = "bert-large", gpu: str = GPU, results=None,
+                 max_batch: int = 4096) -> pd.DataFrame:
+    """S2' along the width: predicted maximum throughput against ``hidden_size``, per MOM, beside the paper's.
+
+    The paper grew BERT-L's width by setting only ``hidden_size``: 16 heads
+    and the pretrained 4096-wide MLP at every width (`momlab.workload.Stack`'s
+    ``mlp_width``), as the paper stack builds it. A width changes every op's
+    shape, so each is a trace of its own (a stack traced 3 and 4 layers deep
+    and unrolled, `momlab.estimate`: seconds a width, cached). An
+    out-of-sample check of memory and time together: no run of the width
+    study is in the V100's calibration (`momlab.timemodel.reference_records`),
+    Exact's included. Predictions as `depth_curves`' (over every batch, and
+    over the batches the paper tried at that width).
+
+    Columns: mom, hidden_size, then as `depth_curves`.
+    """
+    study = _Study("hidden_size", model, gpu, max_batch)
+    widths = sorted(set(study.paper["hidden_size"])) if widths is None else list(widths)
+    rows = []
+    for mom in DEPTH_MOMS:
+        for w in widths:
+            rows.append(study.row(mom, w, *study.predict(mom, results, hidden_size=w)))
+    return pd.DataFrame(rows)
+
+
+class _Study:
+    """One of the paper's S2' scaling studies along `dim` (`momlab.reference.paper_scaling`): the batch grid its
+    predictions are made on, and a row of predicted and measured maximum throughput at a size."""
+
+    def __init__(self, dim: str, model: str, gpu: str, max_batch: int):
+        self.dim, self.model, self.gpu = dim, model, gpu
+        self.paper = reference.paper_scaling(dim, model)
+        self.tried = reference.paper_scaling_runs(dim, model)
+        self.precision = reference.PRECISION[model]
+        from momlab.gpus import get as get_gpu
+
+        g = self.g = get_gpu(gpu)
+        self.cap = g.memory_bytes - cuda_overheads(g, SETUP).context_bytes
+        # every batch up to 512 (the paper's larger models fit a few dozen), log-spaced above, and the paper's own
+        grid = np.unique(np.concatenate([np.arange(1, min(512, max_batch) + 1),
+                                         np.round(np.geomspace(1, max_batch, 96)).astype(int),
+                                         self.tried["batch_size"].astype(int).to_numpy()]))
+        self.grid = grid[grid <= max_batch]
+
+    def predict(self, mom: str, results, **size) -> tuple[np.ndarray, np.ndarray]:
+        """The predicted peak bytes and step seconds at every batch of the grid, at `size`."""
+        prof = profile(self.model, mom, precision=self.precision, kernels=self.g.kernels, setup=SETUP, **size)
+        est = throughput_curve(self.model, mom, gpu=self.gpu, batch_sizes=self.grid, precision=self.precision,
+                               results=results, setup=SETUP, **size)
+        return prof.peak_bytes(self.grid), np.array([e.step_time_s for e in est])
+
+    def row(self, mom: str, size: int, peak: np.ndarray, step: np.ndarray) -> dict:
+        """The curves' row of `mom` at `size` from its predicted `peak` and `step` over the grid."""
+        grid = self.grid
+        fits = peak <= self.cap
+        tp = np.where(fits, grid / step, 0.0)
+        i = int(np.argmax(tp))
+        fit_batches = grid[fits]
+        ran = self.tried[(self.tried["mom"] == mom) & (self.tried[f"size.{self.dim}"] == size)]["batch_size"]
+        on = np.isin(grid, ran.astype(int).to_numpy())
+        tp_paper = np.where(fits & on, tp, 0.0)
+        j = int(np.argmax(tp_paper))
+        got = self.paper[(self.paper["mom"] == mom) & (self.paper[self.dim] == size)]
+        return {"mom": mom, self.dim: size,
+                "pred_max_batch": int(fit_batches.max()) if len(fit_batches) else 0,
+                "pred_best_batch": int(grid[i]) if tp[i] > 0 else 0, "pred_throughput": float(tp[i]),
+                "pred_best_paper_batch": int(grid[j]) if tp_paper[j] > 0 else 0,
+                "pred_throughput_paper_batches": float(tp_paper[j]) if on.any() else math.nan,
+                "paper_best_batch": int(got["best_batch_size"].iloc[0]) if len(got) else 0,
+                "paper_throughput": float(got["max_throughput"].iloc[0]) if len(got) else math.nan}
+
+
+def crossing(curves: pd.DataFrame, column: str, mom: str = "ckpt", base: str = "exact",
+             dim: str = "num_layers") -> float:
+    """The size along `dim` (`depth_curves`' num_layers, `width_curves`' hidden_size) at which `mom`'s maximum
+    throughput overtakes `base`'s (linear between the sizes around the first sign change of their
+    difference); NaN when it never does."""
+    a = curves[curves["mom"] == mom].set_index(dim)[column]
+    b = curves[curves["mom"] == base].set_index(dim)[column]
     both = pd.concat([a, b], axis=1, keys=["m", "b"]).dropna()
     both = both[(both["m"] > 0) | (both["b"] > 0)]
     diff = (both["m"] - both["b"]).sort_index()
@@ -373,11 +417,13 @@ def crossing(depth: pd.DataFrame, column: str, mom: str = "ckpt", base: str = "e
     return math.nan
 
 
-def summary(models=None, *, gpu: str = GPU, results=None, depth: bool = True) -> dict:
+def summary(models=None, *, gpu: str = GPU, results=None, depth: bool = True, width: bool = False) -> dict:
     """The whole check: the S1 table, the verdicts, the depth curves and crossings, the calibration; and
     ``other``, the S1 table of the paper's sweeps at another precision than a model's headline one
     (`momlab.reference.OTHER_PRECISIONS`: BERT-L's fp32 runs; their Exact curve is in the calibration, their
-    MOM rows are not), with ``other_verdicts``."""
+    MOM rows are not), with ``other_verdicts``. `width`: also the width curves (`width_curves`, a trace per
+    width: minutes the first time) as ``width``, with their crossings (``pred_width_crossing``,
+    ``pred_width_crossing_paper_batches``, ``paper_width_crossing``: hidden sizes)."""
     table = s1_table(models, gpu=gpu, results=results)
     other = [s1_table([m], gpu=gpu, results=results, precision=p) for m, p in reference.other_sweeps(models)]
     other = pd.concat(other, ignore_index=True) if other else table.iloc[:0]
@@ -388,6 +434,11 @@ def summary(models=None, *, gpu: str = GPU, results=None, depth: bool = True) ->
         out.update(depth=d, pred_crossing=crossing(d, "pred_throughput"),
                    pred_crossing_paper_batches=crossing(d, "pred_throughput_paper_batches"),
                    paper_crossing=crossing(d, "paper_throughput"))
+    if width:
+        w = width_curves(gpu=gpu, results=results)
+        out.update(width=w, pred_width_crossing=crossing(w, "pred_throughput", dim="hidden_size"),
+                   pred_width_crossing_paper_batches=crossing(w, "pred_throughput_paper_batches", dim="hidden_size"),
+                   paper_width_crossing=crossing(w, "paper_throughput", dim="hidden_size"))
     return out
 
 

@@ -367,3 +367,24 @@ def test_predicted_largest_draws_the_papers_brackets_and_the_predictions():
     xs = sorted(float(c.get_offsets()[0][0]) for c in depth.collections)
     assert xs == [35.0, 63.0, 66.0]  # exact's two answers agree: one marker; ckpt's ideal one hollow
     assert [t.get_text() for t in depth.get_yticklabels()] == ["exact", "ckpt"]
+
+
+def test_predicted_scaling_draws_along_depth_or_width():
+    """`predicted_depth` draws each MOM's predicted line and the paper's points against the study's size, depth
+    or width (`dim`), with a vertical line at each crossing; another size is refused, naming the valid ones."""
+    rows = [{"mom": m, "hidden_size": h, "pred_throughput": tp, "pred_throughput_paper_batches": tp * 0.9,
+             "paper_throughput": tp * 1.1}
+            for m, pts in (("exact", ((512, 300.0), (1344, 110.0))), ("ckpt", ((512, 240.0), (1344, 107.0))))
+            for h, tp in pts]
+    fig = plots.predicted_depth(pd.DataFrame(rows), dim="hidden_size", pred_crossing=1400.0, paper_crossing=1324.0,
+                                pred_crossing_paper_batches=math.nan)
+    ax = fig.axes[0]
+    assert ax.get_xlabel() == "hidden size"
+    xs = [tuple(ln.get_xdata()) for ln in ax.get_lines() if ln.get_linestyle() in ("-", "--")]
+    assert sorted(x for x in xs if x[0] != x[1]) == [(512, 1344)] * 4  # per MOM: every batch, the paper's
+    marks = [x[0] for x in map(tuple, (ln.get_xdata() for ln in ax.get_lines())) if len(x) == 2 and x[0] == x[1]]
+    assert sorted(marks) == [1324.0, 1400.0]  # the two finite crossings
+    points = [tuple(ln.get_xdata()) for ln in ax.get_lines() if ln.get_linestyle() == "None"]
+    assert points == [(512, 1344)] * 2  # the paper's, per MOM
+    with pytest.raises(ValueError, match="num_layers.*hidden_size"):
+        plots.predicted_depth(pd.DataFrame(rows), dim="width_per_group")

@@ -437,6 +437,56 @@ def test_depth_curves_predict_the_paper_s_maximum_over_the_batches_it_ran(monkey
     assert d[d["num_layers"] == 70]["pred_throughput_paper_batches"].notna().all()
 
 
+def test_width_curves_trace_every_width_and_predict_over_the_batches_the_paper_ran(monkeypatch):
+    """S2' along the width: a width changes every op's shape, so each is traced at its own hidden size (no
+    shortcut across widths); the like-for-like prediction is the best of the batches the paper's runs trained
+    at that width, the fine one the best of every batch; and `crossing` reads the width where Checkpoint
+    overtakes Exact. Traces are stubbed: the largest batch that fits is 64000 // width for exact and four times
+    that for ckpt; a step costs width / 2e4 s (the weights' update) + width / 1e6 s a sample (ckpt: a third
+    more a sample), so at 512 wide Exact is faster and at 1344 Checkpoint."""
+    from momlab import reference, validation
+
+    g = get(validation.GPU)
+    cap = g.memory_bytes - validation.cuda_overheads(g, validation.SETUP).context_bytes
+    traced = []
+
+    def fits(mom, width):
+        return 64000 // width * (1 if mom == "exact" else 4)
+
+    def step(mom, width, b):
+        return width / 2e4 + width / 1e6 * (1.0 if mom == "exact" else 4 / 3) * b
+
+    def fake_profile(model, mom, *, hidden_size, **kw):
+        traced.append((mom, hidden_size))
+        per_sample = cap / (fits(mom, hidden_size) + 0.5)
+        return SimpleNamespace(peak_bytes=lambda b: np.asarray(b, dtype=float) * per_sample)
+
+    def fake_curve(model, mom, *, batch_sizes, hidden_size, **kw):
+        return [SimpleNamespace(step_time_s=step(mom, hidden_size, b)) for b in batch_sizes]
+
+    monkeypatch.setattr(validation, "profile", fake_profile)
+    monkeypatch.setattr(validation, "throughput_curve", fake_curve)
+    w = validation.width_curves(widths=[512, 1344])
+    assert sorted(traced) == sorted((m, h) for m in validation.DEPTH_MOMS for h in (512, 1344))
+    ran = reference.paper_scaling_runs("hidden_size")
+    best_tp = {}
+    for r in w.itertuples():
+        top = fits(r.mom, r.hidden_size)
+        assert r.pred_max_batch == top and r.pred_best_batch == top  # throughput rises with the batch
+        best_tp[r.mom, r.hidden_size] = top / step(r.mom, r.hidden_size, top)
+        assert r.pred_throughput == pytest.approx(best_tp[r.mom, r.hidden_size])
+        tried = set(ran.loc[(ran["mom"] == r.mom) & (ran["size.hidden_size"] == r.hidden_size), "batch_size"])
+        best = max(b for b in tried if b <= top)
+        assert r.pred_best_paper_batch == best
+        assert r.pred_throughput_paper_batches == pytest.approx(best / step(r.mom, r.hidden_size, best))
+    exact = w[(w["mom"] == "exact") & (w["hidden_size"] == 1344)].iloc[0]
+    assert exact.pred_max_batch == 47 and exact.pred_best_paper_batch == 20  # the paper's runs there: 4, 12, 20
+    lo = best_tp["ckpt", 512] - best_tp["exact", 512]
+    hi = best_tp["ckpt", 1344] - best_tp["exact", 1344]
+    assert lo < 0 < hi
+    assert validation.crossing(w, "pred_throughput", dim="hidden_size") == pytest.approx(512 + 832 * -lo / (hi - lo))
+
+
 def test_s1_ratios_at_the_paper_s_batches_take_its_memory_and_momlab_s_speed(monkeypatch):
     """Like for like, the S1 check keeps the paper's memory (the batch sizes it ran that fit) and predicts only
     the speed at them, whatever maximum batch momlab predicts: here every MOM is predicted to fit batch 8 only,
