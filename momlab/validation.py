@@ -341,7 +341,9 @@ def width_curves(widths=None, *, model: str = "bert-large", gpu: str = GPU, resu
     out-of-sample check of memory and time together: no run of the width
     study is in the V100's calibration (`momlab.timemodel.reference_records`),
     Exact's included. Predictions as `depth_curves`' (over every batch, and
-    over the batches the paper tried at that width).
+    over the batches the paper tried at that width; the width study's records
+    kept only the runs that fit, so there the batches are the paper's memory
+    answer and the prediction checks the time model alone).
 
     Columns: mom, hidden_size, then as `depth_curves`.
     """
