@@ -1459,7 +1459,7 @@ def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kern
         step_time_s=t.step_time_s,
         throughput=p.batch_size / t.step_time_s if fits else math.nan, flops=int(round(flops)),
         calibrated=cal.calibrated, capacity_bytes=capacity, efficiency=cal.efficiency,
-        bytes_moved=int(p.bytes.sum()), kernels=kernels, interpolated=interpolated,
+        bytes_moved=int(t.bytes_moved), kernels=kernels, interpolated=interpolated,
         time={k: v for k, v in asdict(t).items() if k != "step_time_s"}, calibration=cal.source,
         calibration_error=cal.error, calibration_records=tuple(cal.fitted_on),
         attention=prof.attention, setup=prof.setup, cublas_workspace_bytes=over.cublas_workspace_bytes,

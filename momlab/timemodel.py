@@ -128,6 +128,7 @@ class StepTime:
     launch_s: float  # op count times the per-op launch cost
     transfer_s: float  # swap traffic over the host link
     ops: int
+    bytes_moved: float = 0.0  # bytes the ops that run a kernel read and write
     overhead_s: float = 0.0  # kernel count times each kernel's device overhead (GPU only; in the kernels' times)
     forward_s: float = 0.0
     backward_s: float = 0.0
@@ -168,9 +169,11 @@ def _launched(p) -> np.ndarray:
     return ~np.isin(ops, [i for name, i in list(OP_IDS.items()) if name in NO_KERNEL])
 
 
-def _roofline(p, gpu, tf32: bool):
+def _roofline(p, gpu, tf32: bool, run: np.ndarray | None = None):
+    """Per op, seconds at the peak FLOP/s of its format and at the peak bandwidth (0 for an op `run` (default
+    `_launched`) says runs no kernel)."""
     peaks = _peaks(gpu, tf32)
-    run = _launched(p)
+    run = _launched(p) if run is None else run
     compute = np.where(run, (p.flops + p.extra_flops) / peaks[p.fmt.astype(np.int64)], 0.0)
     memory = np.where(run, p.bytes / gpu.memory_bandwidth, 0.0)
     return compute, memory
@@ -186,12 +189,14 @@ def _fused(p) -> np.ndarray | None:
     return group if group is not None and len(group) and (group >= 0).any() else None
 
 
-def _kernels(p, gpu: Gpu, cal: "Calibration", tf32: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
+def _kernels(p, gpu: Gpu, cal: "Calibration", tf32: bool = False,
+             run: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, float]:
     """Device seconds of each op's kernel (a fused kernel's time on its first op, its other ops 0), host
-    seconds to issue each op (a fused kernel is one launch), and the fused kernels' total."""
-    compute, memory = _roofline(p, gpu, tf32)
+    seconds to issue each op (a fused kernel is one launch; an op `run` says runs no kernel, none), and the
+    fused kernels' total."""
+    run = _launched(p) if run is None else run
+    compute, memory = _roofline(p, gpu, tf32, run)
     overhead = cal.kernel_s if gpu.kernels == "cuda" else 0.0  # a CPU op's fixed cost is its launch
-    run = _launched(p)
     k = np.maximum(compute / _compute_eff(cal)[p.fmt.astype(np.int64)], memory / cal.memory_efficiency) + overhead * run
     h = cal.launch_s * run
     fused = 0.0
@@ -257,13 +262,18 @@ def op_seconds(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False,
     for the GPU before op `sync` when given; kernel plus issue time on a CPU, which does one thing at a time)
     and the fused kernels' total."""
     k, h, fused = _kernels(p, gpu, cal, tf32)
+    return _added(k, h, gpu, sync), fused
+
+
+def _added(k: np.ndarray, h: np.ndarray, gpu: Gpu, sync: int | None) -> np.ndarray:
+    """`op_seconds` from the ops' kernel and host seconds (`_kernels`)."""
     if gpu.kernels != "cuda":
-        return k, fused
+        return k
     starts = [0, sync] if sync is not None and 0 < sync < len(k) else [0]
     ends = queue_ends(k, h, starts)
     added = np.diff(ends, prepend=0.0)
     added[starts] = ends[starts]  # a queue's first op adds its own end
-    return added, fused
+    return added
 
 
 # How swap's copies share the GPU with compute (`step_time`'s `swap`), per implementation:
@@ -335,15 +345,15 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
     ``optimizer_s`` still says what it would take)."""
     check_choice("swap schedule", swap, SWAP_SCHEDULES)
     check_choice("timed window", window, WINDOWS)
-    compute, memory = _roofline(p, gpu, tf32)
+    run = _launched(p)  # once: every part below reads it
+    compute, memory = _roofline(p, gpu, tf32, run)
     per_op = np.maximum(compute, memory)
     ideal = float(per_op.sum())
     n = len(per_op)
-    run = _launched(p)
     launched = int(run.sum())
     parts = dict(ideal_s=ideal, compute_bound_s=float(per_op[compute >= memory].sum()),
                  memory_bound_s=float(per_op[compute < memory].sum()), launch_s=launched * cal.launch_s,
-                 ops=launched)
+                 ops=launched, bytes_moved=float(p.bytes[run].sum()))
     if gpu.kernels == "cuda":  # a fused quantization kernel's ops are one kernel
         group = _fused(p)
         kernels = launched if group is None else int(((group < 0) & run).sum()) + len(np.unique(group[group >= 0]))
@@ -351,7 +361,8 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
     fwd_n, bwd_n = getattr(p, "forward_ops", 0), getattr(p, "backward_ops", 0)
     if not 0 < fwd_n <= bwd_n <= n:  # phases unknown (a trace from before they were recorded): one phase
         fwd_n = bwd_n = n
-    t, fused = op_seconds(p, gpu, cal, tf32=tf32, sync=bwd_n if sync else None)
+    k, h, fused = _kernels(p, gpu, cal, tf32, run)
+    t = _added(k, h, gpu, bwd_n if sync else None)
     fwd, bwd, opt = float(t[:fwd_n].sum()), float(t[fwd_n:bwd_n].sum()), float(t[bwd_n:].sum())
     if gpu.kernels != "cuda":  # a CPU does one thing at a time (swap copies are ops of the trace here)
         # each op in the window pays its launch; the optimizer's only when the window covers it
@@ -361,7 +372,7 @@ def step_time(p, gpu: Gpu, cal: "Calibration", *, tf32: bool = False, swap: str 
                         window=window)
     copy = p.host_bytes / gpu.pinned_bandwidth
     again = getattr(p, "backward_host", 0) / gpu.pinned_bandwidth
-    busy = float(_kernels(p, gpu, cal, tf32)[0].sum())
+    busy = float(k.sum())
     if fwd_n == bwd_n == n:
         f, b = (max(fwd, 2 * (copy + again)) if swap == "overlap" else fwd + 2 * (copy + again)), 0.0
     else:

@@ -335,6 +335,7 @@ def test_ops_that_run_no_kernel_cost_nothing():
         a, b = step_time(plain, g, cal), step_time(mixed, g, cal)
         assert b.step_time_s == pytest.approx(a.step_time_s) and b.ops == a.ops == 4
         assert b.ideal_s == pytest.approx(a.ideal_s) and b.launch_s == pytest.approx(a.launch_s)
+        assert b.bytes_moved == a.bytes_moved == 4 * ms  # the traffic an Estimate reports: the kernels' only
     p = profile("bert-base", kernels="cuda", setup="paper", **catalog.tiny("bert-base")).lo  # eager attention
     names = {i: n for n, i in OP_IDS.items()}
     assert "aten._unsafe_view.default" in {names[int(i)] for i in p.ops}
