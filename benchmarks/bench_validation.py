@@ -138,6 +138,10 @@ def main() -> None:
     for m, p in other:
         print(validation.slope_table([m], precision=p).to_string(index=False, header=False,
                                                                  float_format=lambda x: f"{x:.4g}"))
+    print("\nevery peak the paper recorded on one V100, predicted (allocated bytes, the paper's stack), "
+          "per model, MOM and size")
+    peaks = validation.peak_table(["resnet50", "bert-large", "bert-base"] if args.quick else validation.PEAK_MODELS)
+    print(validation.peak_summary(peaks).to_string(float_format=lambda x: f"{x:.3f}"))
     if "bert-large" in models:
         allocator = "ideal" if args.quick else "caching"  # caching: a replay per size tried, about 17 minutes
         largest, secs = _timed(lambda: validation.largest_table(allocator=allocator))

@@ -851,6 +851,42 @@ def prediction_scatter(table: pd.DataFrame, *, title: str | None = "Predicted vs
     return fig
 
 
+def peak_errors(table: pd.DataFrame, *, title: str | None = "Predicted against every peak the paper recorded",
+                band: float = 0.05) -> Figure:
+    """`momlab.validation.peak_table` drawn: one point per record, the paper's measured peak (x) against the
+    prediction's error (y, percent), a color per model, a +-`band` band; records at a model size other than
+    the default are diamonds. Rows whose MOM is another system in the paper are counted in a note, not drawn."""
+    fig = Figure(figsize=(7.2, 4.6), layout="constrained")
+    ax = fig.add_subplot()
+    comp = table[table["comparable"]]
+    unit, scale = _bytes_unit(float(comp["paper_peak_bytes"].max()) if len(comp) else 1.0)
+    ax.axhspan(-100 * band, 100 * band, color="0.88", zorder=0, label=f"within {band:.0%}")
+    ax.axhline(0, color=EXACT_COLOR, lw=0.8)
+    for i, model in enumerate(dict.fromkeys(comp["model"])):
+        g = comp[comp["model"] == model]
+        for other_size, marker in ((False, "o"), (True, "D")):
+            h = g[(g["size"] != "") == other_size]
+            if h.empty:
+                continue
+            label = f"{model}, {'; '.join(dict.fromkeys(h['size']))}" if other_size else model
+            ax.scatter(h["paper_peak_bytes"] / scale, 100 * h["error"], marker=marker, s=12 if marker == "o" else 22,
+                       color=_CB[i % len(_CB)], edgecolors="white" if other_size else "none", linewidths=0.5,
+                       alpha=0.85, label=label, zorder=3)
+    ax.set_xlabel(f"measured peak, the paper's V100 ({unit} allocated)")
+    ax.set_ylabel("predicted / measured - 1 (%)")
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=7, frameon=False)
+    if len(comp):
+        others = len(table) - len(comp)
+        ax.text(0.99, 0.01, f"{len(comp)} records: median |error| {comp['error'].abs().median():.1%}, "
+                f"{(comp['error'].abs() <= band).mean():.0%} within {band:.0%}"
+                + (f"\nnot drawn: {others} record{'s' if others > 1 else ''} of a MOM the paper ran as another "
+                   "system" if others else ""),
+                transform=ax.transAxes, ha="right", va="bottom", fontsize=7)
+    _title(fig, title, "predicted (not measured): the paper's software stack, allocated bytes; "
+                       "measured: the paper's runs")
+    return fig
+
+
 def predicted_largest(table: pd.DataFrame, *, title: str | None = "Predicted vs measured largest model") -> Figure:
     """`momlab.validation.largest_table` drawn: one panel per size keyword, one row per MOM; the paper's bracket
     (its size that last fit to the next, that failed; hatched where that size is the sweep's next, its OOM

@@ -56,7 +56,7 @@ import math
 import numpy as np
 import pandas as pd
 
-from momlab import reference
+from momlab import catalog, reference
 from momlab.errors import check_choice
 from momlab.estimate import (ALLOCATORS, best_throughput, calibrate, cuda_overheads, estimate, predict_max_batch,
                              predict_max_size, profile, throughput_curve)
@@ -470,6 +470,9 @@ def ratio_text(table: pd.DataFrame) -> str:
 
 # the models the paper swept memory against batch size for, at their headline precision (`slope_table`)
 SLOPE_MODELS = ("bert-large", "resnet50", "swin-large", "wide-resnet50-2", "gpt3-small")
+# the models whose peaks the paper recorded and momlab builds (`peak_table`): those of `slope_table`, the other two
+# S1 models (ResNet-152, GPT3-Medium) and BERT-base, whose runs only the paper's breakdown figure used
+PEAK_MODELS = (*SLOPE_MODELS, "resnet152", "gpt3-medium", "bert-base")
 
 
 def paper_headroom(models=None, *, precision: str | None = None) -> pd.DataFrame:
@@ -704,6 +707,79 @@ def breakdown_table(models=None, *, setup: str = SETUP) -> pd.DataFrame:
                          "predicted_bytes": float(ours[comp]),
                          "error": ours[comp] / p - 1 if p == p and p else math.nan})
     return pd.DataFrame(rows)
+
+
+def _size_of(model: str, row) -> dict:
+    """The model-size settings of a paper record that differ from the catalog's default size."""
+    default = catalog.spec(model).size
+    size = {}
+    for col in reference.SIZE_COLUMNS:
+        value = row[col]
+        key = col.removeprefix("size.")
+        if not pd.isna(value) and default.get(key) != int(value):
+            size[key] = int(value)
+    return size
+
+
+def peak_table(models=PEAK_MODELS, moms=None, *, setup: str = SETUP) -> pd.DataFrame:
+    """Every peak the paper recorded against the prediction of the same run.
+
+    Per record of `momlab.reference.paper_peaks` (one V100: the memory sweeps and the breakdown figure's
+    runs, GPT's timed runs; at any model size the paper ran, BERT-L at 36 and 48 layers too), the predicted
+    peak of its model, MOM, precision, size and batch, the ``peak_bytes`` `estimate` gives: the allocated
+    peak the paper's ``torch.cuda.max_memory_allocated()`` read (no caching-allocator reserve). No record is an input to
+    any prediction; BERT-base's runs (the breakdown figure's) and BERT-L's deeper ones are in no other
+    check. Records of a MOM momlab has no counterpart for (GPT's DeepSpeed "cpu-off") are left out; rows
+    whose MOM is another system in the paper are kept and marked (``comparable=False``, `OTHER_SYSTEM`).
+
+    Columns: model, precision, mom, size (the settings that differ from the model's default, "" at it),
+    batch_size, experiment, paper_peak_bytes, predicted_peak_bytes, error, comparable, note, source.
+    `models`: of `PEAK_MODELS` (default all); `moms`: the paper's MOM labels to show (default all).
+    """
+    from momlab.gpus import get as get_gpu
+
+    g = get_gpu(GPU)
+    workspace = cuda_overheads(g, setup).cublas_workspace_bytes
+    rows = []
+    for model in models:
+        runs = reference.paper_peaks(model)
+        prec = str(runs["precision"].iloc[0])
+        for r in runs.to_dict("records"):
+            mom = r["mom"]
+            if mom not in PAPER_MOMS or (moms is not None and mom not in moms):
+                continue
+            size = _size_of(model, r)
+            # the peak as `estimate` reports it (traced tensors, the allocator's rounding, cuBLAS's workspace),
+            # without the time model it would calibrate first
+            p = profile(model, PAPER_MOMS[mom], precision=prec, kernels=g.kernels, setup=setup,
+                        **size).at(int(r["batch_size"]))
+            pred = p.peak_bytes + p.rounding_bytes + workspace
+            note = _other_system(model, mom, None)
+            paper = float(r["peak_bytes"])
+            rows.append({"model": model, "precision": prec, "mom": mom,
+                         "size": ", ".join(f"{k}={v}" for k, v in size.items()),
+                         "batch_size": int(r["batch_size"]), "experiment": r["experiment"],
+                         "paper_peak_bytes": paper, "predicted_peak_bytes": float(pred),
+                         "error": pred / paper - 1, "comparable": not note, "note": note,
+                         "source": r["source"]})
+    return pd.DataFrame(rows)
+
+
+def peak_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """`peak_table` per model, MOM and size: records, median and largest |error|, the share within 5%;
+    and a last row, "all", over every comparable record."""
+    comp = table[table["comparable"]]
+
+    def stats(g: pd.DataFrame) -> pd.Series:
+        err = g["error"].abs()
+        return pd.Series({"records": len(g), "batch_lo": int(g["batch_size"].min()),
+                          "batch_hi": int(g["batch_size"].max()), "median_abs_error": err.median(),
+                          "max_abs_error": err.max(), "within_5pct": float((err <= 0.05).mean())})
+
+    per = [stats(g).rename((m, mom, size)) for (m, mom, size), g in comp.groupby(["model", "mom", "size"], sort=False)]
+    out = pd.DataFrame(per + [stats(comp).rename(("all", "", ""))])
+    out.index = pd.MultiIndex.from_tuples(out.index, names=["model", "mom", "size"])
+    return out.astype({"records": int, "batch_lo": int, "batch_hi": int})
 
 
 def slope_table(models=SLOPE_MODELS, moms=None, *,

@@ -345,6 +345,28 @@ def test_prediction_scatter_labels_its_points_without_covering_one_another():
     assert not fig.legends[0].get_window_extent().overlaps(ax.get_window_extent())
 
 
+def test_peak_errors_draws_each_comparable_record_and_marks_other_sizes():
+    """One point per comparable record at (measured GiB, error %); a deeper model's records are diamonds labelled
+    with their size; a record of another system in the paper is counted in the note, not drawn; the legend sits
+    outside the axes."""
+    rows = [{"model": "bert-large", "mom": "exact", "size": "", "batch_size": b, "paper_peak_bytes": b * 2**30,
+             "error": 0.01, "comparable": True, "note": ""} for b in (4, 8)]
+    rows += [{"model": "bert-large", "mom": "ckpt", "size": "num_layers=36", "batch_size": 8,
+              "paper_peak_bytes": 11 * 2**30, "error": -0.02, "comparable": True, "note": ""},
+             {"model": "bert-large", "mom": "swap", "size": "", "batch_size": 8, "paper_peak_bytes": 3 * 2**30,
+              "error": 1.8, "comparable": False, "note": "paper: DeepSpeed ZeRO-3 offload"}]
+    fig = plots.peak_errors(pd.DataFrame(rows))
+    fig.draw_without_rendering()
+    ax = fig.axes[0]
+    points = {c.get_label(): c.get_offsets().tolist() for c in ax.collections if c.get_offsets().size}
+    assert points["bert-large"] == [[4.0, 1.0], [8.0, 1.0]]
+    assert points["bert-large, num_layers=36"] == [[11.0, -2.0]]
+    assert sum(len(v) for v in points.values()) == 3  # the DeepSpeed record is not drawn
+    note = " ".join(t.get_text() for t in ax.texts)
+    assert "3 records" in note and "not drawn: 1 record" in note and "GiB" in ax.get_xlabel()
+    assert not fig.legends[0].get_window_extent().overlaps(ax.get_window_extent())
+
+
 def test_predicted_largest_draws_the_papers_brackets_and_the_predictions():
     """One bar per MOM spanning the paper's bracket (hatched where its upper end is the sweep's next size), a
     filled marker at the prediction and a hollow one at the ideal allocator's answer where it differs."""

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from momlab.reference import (
-    paper_gpu_count, paper_largest, paper_memory_per_sample, paper_runs, paper_s1,
+    paper_gpu_count, paper_largest, paper_memory_per_sample, paper_peaks, paper_runs, paper_s1,
     paper_s1_runs, paper_scaling,
 )
 from momlab.reference import _s1_table
@@ -109,6 +109,26 @@ def test_gpts_memory_sweep_is_the_peak_its_timed_runs_recorded():
     assert {"ckpt", "quant4", "quant4+swap"} <= set(per.index)
     # a model with a mem sweep keeps it (resnet50's timed runs recorded peaks too)
     assert paper_memory_per_sample("resnet50").set_index("mom").loc["exact", "batch_hi"] == 168
+
+
+def test_every_peak_the_paper_recorded_at_any_size():
+    """`paper_peaks` reads every one-V100 peak record of a model that fit: BERT-L's memory sweeps at 24, 36 and 48
+    layers (the raw text_classification_fp16_v100_results_mem_results_36.json's first run: batch 8, 11,106,165,248
+    bytes), BERT-base's breakdown runs at the one precision they have (fp16, batch 4-168), GPT's timed runs (the
+    raw GPT_v100_results_speed_results.json's exact run at batch 19: 14,806,451,200 bytes)."""
+    bert = paper_peaks("bert-large")
+    assert set(bert["size.num_layers"]) == {24, 36, 48} and set(bert["precision"]) == {"fp16"}
+    assert set(bert["experiment"]) == {"mem", "mem_fp32", "background"} and bert["fits"].all()
+    first36 = bert[bert["size.num_layers"] == 36].sort_values("batch_size").iloc[0]
+    assert (first36["mom"], first36["batch_size"], first36["peak_bytes"]) == ("exact", 8, 11106165248)
+    base = paper_peaks("bert-base")
+    assert len(base) == 22 and set(base["precision"]) == {"fp16"}
+    assert (base["batch_size"].min(), base["batch_size"].max()) == (4, 168)
+    gpt = paper_peaks("gpt3-small")
+    assert set(gpt["experiment"]) == {"speed"} and 14806451200 in set(gpt["peak_bytes"])
+    assert len(paper_peaks("bert-large", "fp32")) > 0 and set(paper_peaks("bert-large", "fp32")["precision"]) == {"fp32"}
+    with pytest.raises(ValueError, match="bert-base"):
+        paper_peaks("vit-huge")
 
 
 def test_activation_per_sample_is_the_slope_of_the_recorded_activations():

@@ -70,6 +70,10 @@ UNITS = {
     "swin-large": "img/s", "bert-large": "seq/s", "gpt3-small": "seq/s",
     "gpt3-medium": "seq/s",
 }
+# the experiments whose runs recorded a step's peak to measure memory: the memory sweeps ("mem"; "mem_fp32", fp16
+# runs of BERT-L under a name the raw data does not explain, scripts/derive_reference.py) and the breakdown
+# figure's runs ("background")
+MEMORY_EXPERIMENTS = ("mem", "mem_fp32", "background")
 SIZE_COLUMNS = ["size.num_layers", "size.hidden_size", "size.width_per_group",
                 "size.seq_len", "size.num_heads"]
 
@@ -346,6 +350,37 @@ def paper_largest(dim: str, model: str = "bert-large", batch_size: int = 24) -> 
     return _order(out)
 
 
+def _peaks(model: str, precision: str | None) -> pd.Series:
+    """Rows of `model`'s one-V100 runs that fit and recorded a peak, at `precision` or the model's headline
+    one (`PRECISION`; a model outside the S1 sweeps, such as bert-base, at the one its records have)."""
+    df = _table()
+    check_precision(precision)
+    sel = (df["model"] == model) & (df["gpus"] == 1) & df["fits"] & df["peak_bytes"].notna()
+    if precision is None and model not in PRECISION:
+        precs = sorted(df.loc[sel, "precision"].unique())
+        precision = precs[0] if len(precs) == 1 else None
+    return sel & (df["precision"] == (precision or PRECISION.get(model, "fp32")))
+
+
+def paper_peaks(model: str, precision: str | None = None) -> pd.DataFrame:
+    """Every peak the paper recorded for `model` on one V100, at any model size: the runs of its memory
+    experiments (`MEMORY_EXPERIMENTS`) that fit, at the model's headline precision or `precision` (a
+    model outside the S1 sweeps, such as bert-base, at the one precision its records have). A model with no
+    memory experiment (GPT) gives its timed runs' peaks, as `paper_memory_per_sample` reads them. Columns
+    as `paper_runs`; ``size.*`` names a size other than the default (BERT-L also writes its default out)."""
+    df = _table()
+    sel = _peaks(model, precision)
+    runs = df[sel & df["experiment"].isin(MEMORY_EXPERIMENTS)]
+    if runs.empty:
+        runs = df[sel & (df["experiment"] == "speed")]
+    if runs.empty:
+        have = df["peak_bytes"].notna() & (df["gpus"] == 1) & df["fits"]
+        have = sorted(set(zip(df.loc[have, "model"], df.loc[have, "precision"])))
+        raise ValueError(f"no peak recorded for {model!r} at {precision or 'its headline precision'}; "
+                         f"(model, precision) with some: {have}")
+    return runs.copy()
+
+
 def paper_memory_per_sample(model: str = "bert-large", precision: str | None = None) -> pd.DataFrame:
     """Peak memory growth per sample: least-squares slope of ``peak_bytes``
     against batch size over the paper's memory sweep (one V100, default size,
@@ -363,9 +398,7 @@ def paper_memory_per_sample(model: str = "bert-large", precision: str | None = N
     quant4 43.5, quant4+ckpt 8.3 == bytes_per_sample / 2**30 * 1000.
     """
     df = _table()
-    check_precision(precision)
-    sel = (df["model"] == model) & (df["gpus"] == 1) & df["fits"] & df["peak_bytes"].notna()
-    sel &= (df["precision"] == (precision or PRECISION.get(model, "fp32"))) & _default_size(df)
+    sel = _peaks(model, precision) & _default_size(df)
     runs = df[sel & (df["experiment"] == "mem")]
     if runs.empty:  # no memory sweep: the timed runs, where they recorded their peak (GPT)
         runs = df[sel & (df["experiment"] == "speed")]
@@ -389,5 +422,5 @@ def paper_memory_per_sample(model: str = "bert-large", precision: str | None = N
 
 
 __all__ = ["paper_runs", "paper_s1", "paper_gpu_count", "paper_scaling", "paper_scaling_runs", "paper_largest",
-           "paper_memory_per_sample", "paper_utilization_runs", "check_precision", "other_sweeps", "MODELS",
-           "PRECISION", "OTHER_PRECISIONS", "UNITS", "GPU"]
+           "paper_memory_per_sample", "paper_peaks", "paper_utilization_runs", "check_precision", "other_sweeps",
+           "MODELS", "PRECISION", "OTHER_PRECISIONS", "MEMORY_EXPERIMENTS", "UNITS", "GPU"]
