@@ -858,7 +858,7 @@ def peak_errors(table: pd.DataFrame, *, title: str | None = "Predicted against e
     the default are diamonds. Rows whose MOM is another system in the paper are counted in a note, not drawn."""
     fig = Figure(figsize=(7.2, 4.6), layout="constrained")
     ax = fig.add_subplot()
-    comp = table[table["comparable"]]
+    comp = table[table["comparable"].astype(bool)]
     unit, scale = _bytes_unit(float(comp["paper_peak_bytes"].max()) if len(comp) else 1.0)
     ax.axhspan(-100 * band, 100 * band, color="0.88", zorder=0, label=f"within {band:.0%}")
     ax.axhline(0, color=EXACT_COLOR, lw=0.8)

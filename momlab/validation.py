@@ -473,6 +473,8 @@ SLOPE_MODELS = ("bert-large", "resnet50", "swin-large", "wide-resnet50-2", "gpt3
 # the models whose peaks the paper recorded and momlab builds (`peak_table`): those of `slope_table`, the other two
 # S1 models (ResNet-152, GPT3-Medium) and BERT-base, whose runs only the paper's breakdown figure used
 PEAK_MODELS = (*SLOPE_MODELS, "resnet152", "gpt3-medium", "bert-base")
+PEAK_COLUMNS = ["model", "precision", "mom", "size", "batch_size", "experiment", "paper_peak_bytes",
+                "predicted_peak_bytes", "error", "comparable", "note", "source"]
 
 
 def paper_headroom(models=None, *, precision: str | None = None) -> pd.DataFrame:
@@ -727,9 +729,9 @@ def peak_table(models=PEAK_MODELS, moms=None, *, setup: str = SETUP) -> pd.DataF
     Per record of `momlab.reference.paper_peaks` (one V100: the memory sweeps and the breakdown figure's
     runs, GPT's timed runs; at any model size the paper ran, BERT-L at 36 and 48 layers too), the predicted
     peak of its model, MOM, precision, size and batch, the ``peak_bytes`` `estimate` gives: the allocated
-    peak the paper's ``torch.cuda.max_memory_allocated()`` read (no caching-allocator reserve). No record is an input to
-    any prediction; BERT-base's runs (the breakdown figure's) and BERT-L's deeper ones are in no other
-    check. Records of a MOM momlab has no counterpart for (GPT's DeepSpeed "cpu-off") are left out; rows
+    peak the paper's ``torch.cuda.max_memory_allocated()`` read (no caching-allocator reserve). No record
+    is an input to any prediction; BERT-base's runs (the breakdown figure's) and BERT-L's deeper ones are
+    in no other check. Records of a MOM momlab has no counterpart for (GPT's DeepSpeed "cpu-off") are left out; rows
     whose MOM is another system in the paper are kept and marked (``comparable=False``, `OTHER_SYSTEM`).
 
     Columns: model, precision, mom, size (the settings that differ from the model's default, "" at it),
@@ -762,13 +764,13 @@ def peak_table(models=PEAK_MODELS, moms=None, *, setup: str = SETUP) -> pd.DataF
                          "paper_peak_bytes": paper, "predicted_peak_bytes": float(pred),
                          "error": pred / paper - 1, "comparable": not note, "note": note,
                          "source": r["source"]})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=PEAK_COLUMNS)
 
 
 def peak_summary(table: pd.DataFrame) -> pd.DataFrame:
     """`peak_table` per model, MOM and size: records, median and largest |error|, the share within 5%;
     and a last row, "all", over every comparable record."""
-    comp = table[table["comparable"]]
+    comp = table[table["comparable"].astype(bool)]
 
     def stats(g: pd.DataFrame) -> pd.Series:
         err = g["error"].abs()
@@ -776,9 +778,10 @@ def peak_summary(table: pd.DataFrame) -> pd.DataFrame:
                           "batch_hi": int(g["batch_size"].max()), "median_abs_error": err.median(),
                           "max_abs_error": err.max(), "within_5pct": float((err <= 0.05).mean())})
 
-    per = [stats(g).rename((m, mom, size)) for (m, mom, size), g in comp.groupby(["model", "mom", "size"], sort=False)]
-    out = pd.DataFrame(per + [stats(comp).rename(("all", "", ""))])
-    out.index = pd.MultiIndex.from_tuples(out.index, names=["model", "mom", "size"])
+    per = [stats(g).rename(key) for key, g in comp.groupby(["model", "mom", "size"], sort=False)]
+    out = pd.DataFrame(per + ([stats(comp).rename(("all", "", ""))] if len(comp) else []),
+                       columns=["records", "batch_lo", "batch_hi", "median_abs_error", "max_abs_error", "within_5pct"])
+    out.index = pd.MultiIndex.from_tuples(list(out.index), names=["model", "mom", "size"])
     return out.astype({"records": int, "batch_lo": int, "batch_hi": int})
 
 

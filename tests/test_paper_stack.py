@@ -560,6 +560,9 @@ def test_peak_table_predicts_every_record_at_its_own_size(monkeypatch):
     summary = validation.peak_summary(t)
     assert summary.loc[("all", "", ""), "records"] == int(t["comparable"].sum())
     assert summary.loc[("bert-large", "exact", "num_layers=36"), "records"] == 4
+    # a selection without records is an empty table and summary, not an error
+    empty = validation.peak_table(["bert-base"], ["quant4"])
+    assert empty.empty and list(empty.columns) == list(t.columns) and validation.peak_summary(empty).empty
 
 
 def test_the_papers_bert_base_peaks_are_predicted_within_3_percent():
