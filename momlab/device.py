@@ -130,6 +130,14 @@ def cap_fraction(budget: int, total: int, outside: int) -> float:
     return min(1.0, (budget - outside) / total)
 
 
+# counters of torch.cuda.memory_stats (documented, cumulative over the process): a segment reserved from the driver
+# (cudaMalloc), one released to it (cudaFree, which waits for the device), and an allocation that found no room
+# until the allocator released its free cached segments and tried again. A step that does any of them pays host
+# time a step on a warm cache does not (a loop that empties its cache every step, or one at the edge of memory).
+ALLOCATOR_EVENTS = {"segments_reserved": "segment.all.allocated", "segments_released": "segment.all.freed",
+                    "alloc_retries": "num_alloc_retries"}
+
+
 class CudaMemory:
     """The CUDA caching allocator's counters, with an optional budget cap (see the module docstring)."""
 
@@ -181,6 +189,11 @@ class CudaMemory:
 
     def peak(self) -> int:
         return torch.cuda.max_memory_allocated(self.device)
+
+    def events(self) -> dict:
+        """The allocator's cumulative calls into the driver (`ALLOCATOR_EVENTS`): subtract two readings."""
+        stats = torch.cuda.memory_stats(self.device)
+        return {name: int(stats.get(key, 0)) for name, key in ALLOCATOR_EVENTS.items()}
 
     def peaks(self) -> dict:
         """Allocated, active and reserved peaks since the last reset, and pinned host memory."""

@@ -18,7 +18,9 @@ script itself is tested on every `make test`):
    most the budget, device memory back to its baseline after each,
    quantization compiled.
 3. bert-large fp16 at batch 32 under 16 GiB with every MOM: the breakdown,
-   the three peaks, host memory, step time.
+   the three peaks, host memory, step time, and what the timed steps asked
+   of the driver (``options["cuda_allocator_events"]``: segments reserved
+   and released, allocations retried after a cache release, per step).
 4. OOM and leaks: a batch that must not fit comes back ``fits=False``; the
    first measurement of phase 3 repeated gives the same memory, to the byte.
 5. ckpt-auto at a batch exact cannot fit: it fits, peak within the budget.

@@ -338,9 +338,14 @@ def _measure_cuda(base, dev, budget, steps, warmup, seed) -> Measurement:
                 peak, probe = _warm_probe(w, _CudaMeter(mem, host), warmup)
             peaks = probe.allocator
             flops = count_flops(w, mem.uncapped())
+            before = mem.events()
             times = _timed_steps(w, steps)
+            after = mem.events()
         _record_compile(w)
         w.options["cuda_memory"] = peaks
+        # what the timed steps asked of the driver, per step (the first after FLOP counting may start on an
+        # emptied cache under a budget)
+        w.options["cuda_allocator_events"] = {k: (after[k] - before[k]) / max(1, steps) for k in after}
         m = _breakdown(base, w, peak, unique_storage_bytes, probe, flops, times, "cuda")
         return dataclasses.replace(m, active_peak_bytes=peaks["active"], reserved_peak_bytes=peaks["reserved"])
     except Exception as exc:  # noqa: BLE001

@@ -70,7 +70,10 @@ class Measurement(StepRecord):
     from the driver: what a budget caps and what a real card runs out of);
     None on the emulated device, which has no allocator.
     ``options["cuda_memory"]`` adds the bytes held outside the allocator (the
-    CUDA context), the allocator configuration and pinned host memory.
+    CUDA context), the allocator configuration and pinned host memory;
+    ``options["cuda_allocator_events"]`` what the timed steps asked of the
+    driver, per step (segments reserved and released, allocations retried
+    after releasing the cache: `momlab.device.ALLOCATOR_EVENTS`).
 
     ``attention``: the attention kernel (transformers' attn_implementation,
     "eager" or "sdpa"; None for models without attention); ``setup``: the

@@ -271,6 +271,18 @@ def test_gpu_check_out_of_time_keeps_what_it_finished(tmp_path):
     assert r.returncode in (0, 1)
 
 
+def test_allocator_events_are_the_documented_counters_per_reading(monkeypatch):
+    """What a CUDA measurement records of its timed steps' calls into the driver is read from
+    torch.cuda.memory_stats' documented counters (segments from cudaMalloc allocated and freed, retries after a
+    cache release); a reading is cumulative, so the record is the difference of two."""
+    stats = {"segment.all.allocated": 40, "segment.all.freed": 12, "num_alloc_retries": 3, "num_ooms": 1}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda dev=None: dict(stats))
+    mem = device.CudaMemory(torch.device("cuda", 0), None)
+    assert mem.events() == {"segments_reserved": 40, "segments_released": 12, "alloc_retries": 3}
+    stats.pop("num_alloc_retries")  # an allocator that never retried may not report the counter
+    assert mem.events()["alloc_retries"] == 0
+
+
 # -- CUDA: what only a GPU can show (make gpu-check runs the full set) --------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -281,6 +293,8 @@ def test_cuda_budgeted_measure_runs_and_keeps_three_peaks():
     m = momlab.measure("bert-base", "exact", batch_size=4, device="cuda", budget="1GiB", **TINY)
     assert m.fits and m.peak_bytes <= m.active_peak_bytes <= m.reserved_peak_bytes <= 1 * GiB
     assert m.options["cuda_memory"]["outside_allocator"] > 0
+    events = m.options["cuda_allocator_events"]
+    assert set(events) == set(device.ALLOCATOR_EVENTS) and all(v >= 0 for v in events.values())
 
 
 @cuda
