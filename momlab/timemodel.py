@@ -581,13 +581,14 @@ class _Points:
             if _fused(p) is not None:
                 raise ValueError("a calibration record must be an Exact step (this one has fused quantization "
                                  "kernels): MOM runs are what the model predicts, never what it is fitted to")
-            c, m = _roofline(p, gpu, False)
+            r = _launched(p)
+            c, m = _roofline(p, gpu, False, r)
             n, cut = len(c), getattr(p, "backward_ops", 0)
             if windows is not None and windows[i] == "forward-backward" and 0 < cut < n:  # its optimizer untimed
                 n = cut
             comp.append(c[:n])
             mem.append(m[:n])
-            run.append(_launched(p)[:n])
+            run.append(r[:n])
             fmt.append(p.fmt[:n].astype(np.int64))
             # a record is one queue, or two when the host waits for the GPU before the optimizer step
             parts = [cut, n - cut] if syncs is not None and syncs[i] and 0 < cut < n else [n]
@@ -719,8 +720,9 @@ def _ideal(model, mom, precision, size, batch_size, gpu, trace, tf32=False, setu
     """Roofline seconds (at 100% efficiency) and op count of one configuration; `trace` gives its step:
     ``trace(model, mom, precision, size, batch_size, kernels, setup)``."""
     p = trace(model, mom, precision, size, batch_size, gpu.kernels, setup)
-    compute, memory = _roofline(p, gpu, tf32)
-    return float(np.maximum(compute, memory).sum()), int(_launched(p).sum())
+    run = _launched(p)
+    compute, memory = _roofline(p, gpu, tf32, run)
+    return float(np.maximum(compute, memory).sum()), int(run.sum())
 
 
 def _label(r: dict) -> str:

@@ -60,6 +60,7 @@ from momlab import catalog, reference
 from momlab.errors import check_choice
 from momlab.estimate import (ALLOCATORS, best_throughput, calibrate, cuda_overheads, estimate, predict_max_batch,
                              predict_max_size, profile, throughput_curve)
+from momlab.gpus import get as get_gpu
 from momlab.timemodel import StepTime
 
 GPU = "V100-16"
@@ -356,6 +357,11 @@ def width_curves(widths=None, *, model: str = "bert-large", gpu: str = GPU, resu
     return pd.DataFrame(rows)
 
 
+def _usable(g) -> int:
+    """What the allocator may hold on GPU `g` under the paper's stack: its memory less the CUDA context."""
+    return g.memory_bytes - cuda_overheads(g, SETUP).context_bytes
+
+
 class _Study:
     """One of the paper's S2' scaling studies along `dim` (`momlab.reference.paper_scaling`): the batch grid its
     predictions are made on, and a row of predicted and measured maximum throughput at a size."""
@@ -365,10 +371,8 @@ class _Study:
         self.paper = reference.paper_scaling(dim, model)
         self.tried = reference.paper_scaling_runs(dim, model)
         self.precision = reference.PRECISION[model]
-        from momlab.gpus import get as get_gpu
-
         g = self.g = get_gpu(gpu)
-        self.cap = g.memory_bytes - cuda_overheads(g, SETUP).context_bytes
+        self.cap = _usable(g)
         # every batch up to 512 (the paper's larger models fit a few dozen), log-spaced above, and the paper's own
         grid = np.unique(np.concatenate([np.arange(1, min(512, max_batch) + 1),
                                          np.round(np.geomspace(1, max_batch, 96)).astype(int),
@@ -493,10 +497,8 @@ def paper_headroom(models=None, *, precision: str | None = None) -> pd.DataFrame
     model, mom, paper_oom_batch, mem_runs, bytes_per_sample, records_full_batch,
     headroom. Only the paper's data: no prediction is involved.
     """
-    from momlab.gpus import get as get_gpu
-
     g = get_gpu(GPU)
-    usable = g.memory_bytes - cuda_overheads(g, SETUP).context_bytes
+    usable = _usable(g)
     s1 = reference.paper_s1(precision=precision)
     rows = []
     for model in dict.fromkeys(s1["model"]):
@@ -738,8 +740,6 @@ def peak_table(models=PEAK_MODELS, moms=None, *, setup: str = SETUP) -> pd.DataF
     batch_size, experiment, paper_peak_bytes, predicted_peak_bytes, error, comparable, note, source.
     `models`: of `PEAK_MODELS` (default all); `moms`: the paper's MOM labels to show (default all).
     """
-    from momlab.gpus import get as get_gpu
-
     g = get_gpu(GPU)
     workspace = cuda_overheads(g, setup).cublas_workspace_bytes
     rows = []
