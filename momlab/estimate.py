@@ -47,9 +47,12 @@ new process: a notebook kernel, the CLI). A deep stack of identical blocks
 is traced 3 and 4 blocks deep and unrolled to its depth (`_depth_profile`),
 and a quantization pack or unpack already traced for a tensor of the same
 signature is replayed, not dispatched again (`_Tracer.replay`); both give the
-full trace to the byte. A trace's warm-up primes the workload rather than
-stepping it (`Workload.prime`): a first bert-large estimate takes 1.1-1.8 s
-here (default stack).
+full trace to the byte; on Linux the deeper of the two shallow copies is
+traced in a forked child beside the other (`_deeper_beside`). A trace's
+warm-up primes the workload rather than stepping it (`Workload.prime`): a
+first bert-large estimate in the paper's stack takes 1.2-1.8 s here (quant4:
+2-3 s), 1.2-1.6x less than with the two copies traced one after the other
+(`benchmarks/bench_validation.py`).
 
 Time comes from momlab.timemodel (a roofline per traced op, calibrated on
 measured records of the device); the traces here are its input.
@@ -63,6 +66,7 @@ import json
 import math
 import os
 import platform
+import signal
 import sys
 import threading
 import time
@@ -1084,6 +1088,12 @@ DEPTH_FAMILIES = frozenset({"bert", "gpt", "vit", "resnet", "llama", "qwen2"})
 # Llama and Qwen2 look like a block's ends and most traces fell back to full depth (docs/LOG.md 2026-12-04).
 DEPTH_BASE = 3
 EXTRAPOLATE_DEPTH = True  # False: always trace the full depth
+# True: a deep stack's two shallow copies are traced side by side, the deeper one in a forked child process
+# that leaves its traces in the disk cache (`_deeper_beside`); False: one after the other in this process
+PARALLEL_DEPTHS = True
+# the longest a forked child's trace is waited for past the parent's own (seconds): a child that takes longer
+# is killed and its trace made in this process
+CHILD_GRACE_S = 60.0
 
 
 class _NotAStack(ValueError):
@@ -1219,7 +1229,8 @@ def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
     base = DEPTH_BASE
     if size.get("num_layers", 0) <= base + 1:
         return None
-    first = _profile(model, mom, precision, {**size, "num_layers": base}, kernels, st)
+    with _deeper_beside(model, mom, precision, {**size, "num_layers": base + 1}, kernels, st):
+        first = _profile(model, mom, precision, {**size, "num_layers": base}, kernels, st)
     if not first.aligned:
         return None
     # one block deeper, the same tensors are quantized in the same chunks: try the batches that aligned first
@@ -1238,6 +1249,48 @@ def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
         return None
     return Profile(model, mom, precision, size, kernels, lo, hi, attention=st.attention, setup=st.setup,
                    depths=(base, base + 1))
+
+
+@contextmanager
+def _deeper_beside(model, mom, precision, size, kernels, st):
+    """Within, a forked child process traces the configuration `size` (a deep stack's deeper shallow copy) into
+    the disk cache, where `_profile` then reads it: the two shallow copies of a first estimate trace side by
+    side, on two cores in about half the time. The child's profile is the one this process would trace (the
+    same search for two aligned batches, the same code), so every number is the same either way. Nothing is
+    forked where that cannot pay or is not safe: `PARALLEL_DEPTHS` off, no disk cache, the traces already on
+    disk, a platform other than Linux (fork is unsafe on macOS, missing on Windows), one CPU, or CUDA started in
+    this process (a forked child cannot use it, and a traced step may ask it a question). A child that
+    fails, or is still tracing `CHILD_GRACE_S` (or as long as this process's own trace took) after this
+    process's trace, leaves nothing (it is killed), and `_profile` traces the configuration here."""
+    disk = _disk_path(model, mom, precision, size, kernels, st) if PARALLEL_DEPTHS else None
+    if (disk is None or disk[0].exists() or not sys.platform.startswith("linux") or not hasattr(os, "fork")
+            or len(os.sched_getaffinity(0)) < 2 or torch.cuda.is_initialized()):
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: trace, leave the traces on disk, exit without the parent's exit handlers
+        code = 1
+        try:
+            torch.set_num_threads(1)  # an OpenMP pool the parent started does not survive a fork
+            _profile(model, mom, precision, size, kernels, st)
+            code = 0
+        finally:
+            os._exit(code)
+    t0 = time.monotonic()
+    try:
+        yield
+    finally:
+        deadline = time.monotonic() + max(CHILD_GRACE_S, time.monotonic() - t0)
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                for tmp in disk[0].parent.glob(f"{disk[0].name}.{pid}.*.tmp"):  # a save it did not finish
+                    tmp.unlink(missing_ok=True)
+                break
+            time.sleep(0.005)
 
 
 def clear_cache() -> None:

@@ -305,6 +305,47 @@ def test_below_its_aligned_batches_an_unrolled_stack_is_unrolled_too(monkeypatch
         assert _same_step(step, full.at(b)), b
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the deeper copy is forked on Linux only")
+def test_a_forked_child_traces_the_deeper_copy_and_changes_no_number(tmp_path, monkeypatch):
+    """A first estimate of a deep stack traces its two shallow copies side by side, the deeper one in a forked
+    child that leaves it in the disk cache (`_deeper_beside`): the unrolled steps are those of the traces made
+    one after the other. A child that fails, or is killed for outliving its grace, leaves nothing, and the
+    deeper copy is traced in this process: the same steps again."""
+    import momlab.estimate as module
+
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1})  # forks on a one-core machine too
+    size = {**catalog.tiny("bert-base"), "num_layers": 6}
+    args = dict(kernels="cuda", setup="paper", precision="fp16", **size)
+
+    def traced(cache: str, parallel: bool):
+        monkeypatch.setattr(module, "TRACE_CACHE", tmp_path / cache)
+        monkeypatch.setattr(module, "PARALLEL_DEPTHS", parallel)
+        clear_cache()
+        deep = profile("bert-base", "quant4", **args)
+        deeper = profile("bert-base", "quant4", **{**args, "num_layers": 4})  # this process's copy of it
+        return deep, deeper.disk is not None
+
+    serial, read = traced("serial", False)
+    assert serial.depths == (3, 4) and not read
+    forked, read = traced("forked", True)
+    assert read and _same_step(forked.lo, serial.lo) and _same_step(forked.hi, serial.hi)
+
+    real_threads = torch.set_num_threads
+    def failing(n):  # the child's first call: it exits with an error, nothing written
+        raise RuntimeError("a child that fails")
+    monkeypatch.setattr(torch, "set_num_threads", failing)
+    fallback, read = traced("failed", True)
+    assert not read and _same_step(fallback.lo, serial.lo) and _same_step(fallback.hi, serial.hi)
+
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: __import__("time").sleep(600))  # a child that hangs
+    monkeypatch.setattr(module, "CHILD_GRACE_S", 0.0)
+    killed, read = traced("killed", True)
+    assert not read and _same_step(killed.lo, serial.lo)
+    assert not list((tmp_path / "killed").glob("*.tmp"))
+    monkeypatch.setattr(torch, "set_num_threads", real_threads)
+    clear_cache()
+
+
 def test_the_quantized_sizes_pick_the_batches_that_can_align():
     """Two traces of a quantizing MOM align only where no tensor's chunk loop folds in one and not the other
     (more than `quant.CHUNK` values): BERT-L at 128 tokens saves 131K-, 262K- and 524K-value tensors a sample,
