@@ -1255,13 +1255,14 @@ def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
 def _deeper_beside(model, mom, precision, size, kernels, st):
     """Within, a forked child process traces the configuration `size` (a deep stack's deeper shallow copy) into
     the disk cache, where `_profile` then reads it: the two shallow copies of a first estimate trace side by
-    side, on two cores in about half the time. The child's profile is the one this process would trace (the
+    side (1.2-1.6x sooner on the 2-core project machine, docs/LOG.md 2026-12-07). The child's profile is the one this process would trace (the
     same search for two aligned batches, the same code), so every number is the same either way. Nothing is
     forked where that cannot pay or is not safe: `PARALLEL_DEPTHS` off, no disk cache, the traces already on
     disk, a platform other than Linux (fork is unsafe on macOS, missing on Windows), one CPU, or CUDA started in
     this process (a forked child cannot use it, and a traced step may ask it a question). A child that
     fails, or is still tracing `CHILD_GRACE_S` (or as long as this process's own trace took) after this
-    process's trace, leaves nothing (it is killed), and `_profile` traces the configuration here."""
+    process's trace, leaves nothing (it is killed), and `_profile` traces the configuration here; where this
+    process's trace raises (an error, an interrupt), the child is killed at once."""
     disk = _disk_path(model, mom, precision, size, kernels, st) if PARALLEL_DEPTHS else None
     if (disk is None or disk[0].exists() or not sys.platform.startswith("linux") or not hasattr(os, "fork")
             or len(os.sched_getaffinity(0)) < 2 or torch.cuda.is_initialized()):
@@ -1281,16 +1282,23 @@ def _deeper_beside(model, mom, precision, size, kernels, st):
     t0 = time.monotonic()
     try:
         yield
-    finally:
-        deadline = time.monotonic() + max(CHILD_GRACE_S, time.monotonic() - t0)
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() > deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                for tmp in disk[0].parent.glob(f"{disk[0].name}.{pid}.*.tmp"):  # a save it did not finish
-                    tmp.unlink(missing_ok=True)
-                break
-            time.sleep(0.005)
+    except BaseException:  # this trace failed or was interrupted: the child's is not wanted either
+        _kill(pid, disk[0])
+        raise
+    deadline = time.monotonic() + max(CHILD_GRACE_S, time.monotonic() - t0)
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            _kill(pid, disk[0])
+            break
+        time.sleep(0.005)
+
+
+def _kill(pid: int, path: Path) -> None:
+    """Kill a forked tracing child (`_deeper_beside`), reap it, and remove a save of `path` it left unfinished."""
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    for tmp in path.parent.glob(f"{path.name}.{pid}.*.tmp"):
+        tmp.unlink(missing_ok=True)
 
 
 def clear_cache() -> None:

@@ -343,6 +343,15 @@ def test_a_forked_child_traces_the_deeper_copy_and_changes_no_number(tmp_path, m
     assert not read and _same_step(killed.lo, serial.lo)
     assert not list((tmp_path / "killed").glob("*.tmp"))
     monkeypatch.setattr(torch, "set_num_threads", real_threads)
+
+    # an estimate interrupted while its child traces: the child is killed then and there, its copy not written
+    monkeypatch.setattr(module, "TRACE_CACHE", tmp_path / "interrupted")
+    st = module.stack("bert-base", "paper", None)
+    with pytest.raises(KeyboardInterrupt):
+        with module._deeper_beside("bert-base", module.parse_mom("quant4"), "fp16", {**size, "num_layers": 4},
+                                   "cuda", st):
+            raise KeyboardInterrupt
+    assert not (tmp_path / "interrupted").exists() or not list((tmp_path / "interrupted").iterdir())
     clear_cache()
 
 
