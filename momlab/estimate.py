@@ -50,9 +50,9 @@ signature is replayed, not dispatched again (`_Tracer.replay`); both give the
 full trace to the byte; on Linux the deeper of the two shallow copies is
 traced in a forked child beside the other (`_deeper_beside`). A trace's
 warm-up primes the workload rather than stepping it (`Workload.prime`): a
-first bert-large estimate in the paper's stack takes 1.2-1.8 s here (quant4:
-2-3 s), 1.2-1.6x less than with the two copies traced one after the other
-(`benchmarks/bench_validation.py`).
+first bert-large estimate in the paper's stack takes 0.8-1.8 s here, 1.2-1.6x
+less than with the two copies traced one after the other; quant4 2.0-3.1 s,
+1.0-1.5x less (`benchmarks/bench_validation.py`).
 
 Time comes from momlab.timemodel (a roofline per traced op, calibrated on
 measured records of the device); the traces here are its input.
