@@ -12,7 +12,10 @@ script itself is tested on every `make test`):
 1. environment: versions, device, allocator facts (context outside the
    allocator, configuration, the host time to reserve a segment on an
    empty cache and to take one from it), an indexed device accepted by
-   the cap.
+   the cap; the context of a fresh process that has loaded cuBLAS and
+   cuDNN, with kernels loaded lazily (today's default) and eagerly (the
+   paper's 2022 stack, before lazy loading: what
+   `estimate.PAPER_CONTEXT_BYTES` assumes).
 2. tiny: every MOM (and the paper's combinations) on tiny models under a
    1 GiB budget in fp32/fp16/bf16: fits, allocated and reserved peaks at
    most the budget, device memory back to its baseline after each,
@@ -61,6 +64,8 @@ import json
 import math
 import os
 import signal
+import subprocess
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -126,7 +131,7 @@ def plan(device: str, dry_run: bool) -> Plan:
                  "budget": 16 * GiB}, oom_batch=4096, auto_batch=256,
                 s1_moms=("exact", "quant4", "ckpt", "ckpt-auto"), s1_step=4, s1_steps=3,
                 # seconds per phase; the S1 sweep gets what is left (its store resumes on a rerun)
-                phase_s={1: 20, 2: 100, 3: 70, 4: 30, 5: 45, 6: 40, 7: 45, 8: 60, 9: 60},
+                phase_s={1: 20 + 2 * CONTEXT_PROBE_S, 2: 100, 3: 70, 4: 30, 5: 45, 6: 40, 7: 45, 8: 60, 9: 60},
                 vision={"model": "resnet50", "size": {}, "precision": "fp32",
                         "batches": {"exact": (16, 32), "swap": (24, 40)}},
                 # the paper's sizes (catalog defaults); small batches: the slope needs two points, not a full card
@@ -267,6 +272,11 @@ def _phase_env(c: Check) -> None:
             facts["segment_reserve_s"] = _segment_reserve_s(d)
         except Exception as e:  # noqa: BLE001
             facts["segment_reserve_s"] = {"error": repr(e)}
+        facts["context_by_module_loading"] = ctx = _contexts(d)
+        c.table("## Phase 1: the CUDA context of a fresh process (cuBLAS and cuDNN loaded)",
+                ["| CUDA_MODULE_LOADING | context MiB | seconds to load | note |", "|---|---|---|---|"]
+                + [f"| {mode} | {r['context_bytes'] / MiB:.0f} | {r['load_s']:.1f} | |" if "error" not in r
+                   else f"| {mode} | | | {r['error']} |" for mode, r in ctx.items()])
     env["facts"] = facts
     c.header.update(env)
     c.ev.write("env.json", env)
@@ -297,6 +307,68 @@ def _segment_reserve_s(d, n: int = 16) -> dict:
         out[f"{mib}MiB"] = times
     empty_cache(d)
     return out
+
+
+# module loading modes of CUDA (``CUDA_MODULE_LOADING``): LAZY loads a kernel when first launched (the
+# default from CUDA 11.7 and PyTorch 1.13), EAGER every kernel image of a library when it loads (the paper's stack)
+MODULE_LOADING = ("LAZY", "EAGER")
+CONTEXT_PROBE_S = 40.0  # the longest a context probe's process may take (it imports torch and loads two libraries)
+
+
+def _contexts(d) -> dict:
+    """The device bytes a fresh process holds outside its caching allocator once it has run a cuBLAS matmul and a
+    cuDNN convolution, per `MODULE_LOADING` mode, each in a process of its own (the mode is read when CUDA starts).
+    `estimate.CudaOverheads` takes the paper's context from a maintainer's ">1000MB" for eager loading: this
+    measures eager against lazy on the machine at hand (another GPU and CUDA than the paper's V100 with CUDA
+    11.x, so an order of size and a ratio, not the V100's figure). A probe that fails gives its error."""
+    import torch
+
+    from momlab.device import empty_cache
+
+    empty_cache(d)
+    free, total = torch.cuda.mem_get_info(d)
+    return {mode: _context_probe(d.index, mode, total - free) for mode in MODULE_LOADING}
+
+
+def _context_probe(index: int, mode: str, used_before: int) -> dict:
+    """One probe process (`_context_child`) with ``CUDA_MODULE_LOADING=mode``: its JSON line, or an error."""
+    env = {**os.environ, "CUDA_MODULE_LOADING": mode}
+    cmd = [sys.executable, "-c", "from momlab.gpucheck import _context_child; _context_child()", str(index),
+           str(used_before)]
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=CONTEXT_PROBE_S,
+                           cwd=Path(__file__).resolve().parent.parent)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no answer in {CONTEXT_PROBE_S:.0f} s"}
+    lines = r.stdout.strip().splitlines()
+    if r.returncode != 0 or not lines:
+        return {"error": (r.stderr.strip().splitlines() or [f"exit code {r.returncode}"])[-1][:300]}
+    return json.loads(lines[-1])
+
+
+def _context_child() -> None:
+    """A context probe's process: argv ``index used_before`` (the device bytes in use before it started, by
+    the check's own process). Prints one JSON line: the mode it ran under, the seconds from importing torch to
+    the two libraries loaded, and ``context_bytes`` = the device's used bytes less `used_before` less this
+    process's reserved bytes (the check's process waits meanwhile, so its use stays as it was)."""
+    t0 = time.perf_counter()
+    import torch
+
+    out = {"module_loading": os.environ.get("CUDA_MODULE_LOADING")}
+    if not torch.cuda.is_available():
+        print(json.dumps({**out, "error": "no CUDA device"}))
+        return
+    index, used_before = int(sys.argv[1]), int(sys.argv[2])
+    d = torch.device("cuda", index)
+    x = torch.ones(64, 64, device=d)
+    y = (x @ x).sum() + torch.nn.functional.conv2d(torch.ones(1, 3, 16, 16, device=d),
+                                                   torch.ones(4, 3, 3, 3, device=d)).sum()
+    y.item()
+    torch.cuda.synchronize(d)
+    free, total = torch.cuda.mem_get_info(d)
+    reserved = torch.cuda.memory_reserved(d)
+    print(json.dumps({**out, "load_s": time.perf_counter() - t0, "context_bytes": total - free - used_before - reserved,
+                      "reserved_bytes": reserved, "cudnn": torch.backends.cudnn.version()}))
 
 
 def _judge_fit(c: Check, phase: str, label: str, m, budget: int, baseline: int) -> None:

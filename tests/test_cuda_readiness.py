@@ -271,6 +271,20 @@ def test_gpu_check_out_of_time_keeps_what_it_finished(tmp_path):
     assert r.returncode in (0, 1)
 
 
+def test_gpu_check_probes_the_context_in_a_process_per_module_loading_mode():
+    """Phase 1's context probe: each CUDA_MODULE_LOADING mode in a fresh process started under it (CUDA reads the
+    mode once, when it starts), one JSON answer each; without a GPU the probe says so instead of a number."""
+    from momlab import gpucheck
+
+    for mode in gpucheck.MODULE_LOADING:
+        r = gpucheck._context_probe(0, mode, 0)
+        assert r["module_loading"] == mode, r
+        if torch.cuda.is_available():
+            assert r["context_bytes"] > 0 and r["load_s"] > 0, r
+        else:
+            assert r == {"module_loading": mode, "error": "no CUDA device"}
+
+
 def test_allocator_events_are_the_documented_counters_per_reading(monkeypatch):
     """What a CUDA measurement records of its timed steps' calls into the driver is read from
     torch.cuda.memory_stats' documented counters (segments from cudaMalloc allocated and freed, retries after a
