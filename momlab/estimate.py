@@ -1094,6 +1094,12 @@ PARALLEL_DEPTHS = True
 # the longest a forked child's trace is waited for past the parent's own (seconds): a child that takes longer
 # is killed and its trace made in this process
 CHILD_GRACE_S = 60.0
+# set for good once a forked child found autograd unusable: a build of torch with a device backend (CUDA) starts
+# autograd's device threads at its first backward, fake tensors' too, even with no GPU, and a child forked after
+# that cannot run a backward ("Unable to handle autograd's threading in combination with fork-based
+# multiprocessing"); from then on the shallow copies are traced one after the other
+_FORK_UNSAFE = False
+_AUTOGRAD_FORKED = 3  # the exit code of a child whose autograd did not survive the fork
 
 
 class _NotAStack(ValueError):
@@ -1262,10 +1268,13 @@ def _deeper_beside(model, mom, precision, size, kernels, st):
     this process (a forked child cannot use it, and a traced step may ask it a question). A child that
     fails, or is still tracing `CHILD_GRACE_S` (or as long as this process's own trace took) after this
     process's trace, leaves nothing (it is killed), and `_profile` traces the configuration here; where this
-    process's trace raises (an error, an interrupt), the child is killed at once."""
+    process's trace raises (an error, an interrupt), the child is killed at once. A child whose autograd did
+    not survive the fork (`_FORK_UNSAFE`: torch built for CUDA, after a backward) says so at once, and this
+    process forks no more."""
+    global _FORK_UNSAFE
     disk = _disk_path(model, mom, precision, size, kernels, st) if PARALLEL_DEPTHS else None
-    if (disk is None or disk[0].exists() or not sys.platform.startswith("linux") or not hasattr(os, "fork")
-            or len(os.sched_getaffinity(0)) < 2 or torch.cuda.is_initialized()):
+    if (disk is None or disk[0].exists() or _FORK_UNSAFE or not sys.platform.startswith("linux")
+            or not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2 or torch.cuda.is_initialized()):
         yield
         return
     sys.stdout.flush()
@@ -1275,8 +1284,11 @@ def _deeper_beside(model, mom, precision, size, kernels, st):
         code = 1
         try:
             torch.set_num_threads(1)  # an OpenMP pool the parent started does not survive a fork
-            _profile(model, mom, precision, size, kernels, st)
-            code = 0
+            if _autograd_runs():
+                _profile(model, mom, precision, size, kernels, st)
+                code = 0
+            else:
+                code = _AUTOGRAD_FORKED
         finally:
             os._exit(code)
     t0 = time.monotonic()
@@ -1286,11 +1298,22 @@ def _deeper_beside(model, mom, precision, size, kernels, st):
         _kill(pid, disk[0])
         raise
     deadline = time.monotonic() + max(CHILD_GRACE_S, time.monotonic() - t0)
-    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+    while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0):
         if time.monotonic() > deadline:
             _kill(pid, disk[0])
-            break
+            return
         time.sleep(0.005)
+    if os.waitstatus_to_exitcode(done[1]) == _AUTOGRAD_FORKED:
+        _FORK_UNSAFE = True
+
+
+def _autograd_runs() -> bool:
+    """Whether a backward runs in this process (a forked child's first question: `_FORK_UNSAFE`)."""
+    try:
+        torch.ones((), requires_grad=True).backward()
+    except RuntimeError:
+        return False
+    return True
 
 
 def _kill(pid: int, path: Path) -> None:

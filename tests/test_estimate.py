@@ -325,17 +325,23 @@ def test_a_forked_child_traces_the_deeper_copy_and_changes_no_number(tmp_path, m
         deeper = profile("bert-base", "quant4", **{**args, "num_layers": 4})  # this process's copy of it
         return deep, deeper.disk is not None
 
+    monkeypatch.setattr(module, "_FORK_UNSAFE", False)
     serial, read = traced("serial", False)
     assert serial.depths == (3, 4) and not read
     forked, read = traced("forked", True)
-    assert read and _same_step(forked.lo, serial.lo) and _same_step(forked.hi, serial.hi)
+    # the child traced the deeper copy; where torch is built for CUDA its autograd does not survive a fork after
+    # the backwards just traced, and it says so instead (torch 2.11+cu130 on a machine without a GPU: it did)
+    assert read == (not module._FORK_UNSAFE) and (read or torch.backends.cuda.is_built())
+    assert _same_step(forked.lo, serial.lo) and _same_step(forked.hi, serial.hi)
 
     real_threads = torch.set_num_threads
     def failing(n):  # the child's first call: it exits with an error, nothing written
         raise RuntimeError("a child that fails")
     monkeypatch.setattr(torch, "set_num_threads", failing)
+    monkeypatch.setattr(module, "_FORK_UNSAFE", False)
     fallback, read = traced("failed", True)
     assert not read and _same_step(fallback.lo, serial.lo) and _same_step(fallback.hi, serial.hi)
+    assert not module._FORK_UNSAFE  # a child that failed otherwise leaves forking on
 
     monkeypatch.setattr(torch, "set_num_threads", lambda n: __import__("time").sleep(600))  # a child that hangs
     monkeypatch.setattr(module, "CHILD_GRACE_S", 0.0)
@@ -352,6 +358,35 @@ def test_a_forked_child_traces_the_deeper_copy_and_changes_no_number(tmp_path, m
                                    "cuda", st):
             raise KeyboardInterrupt
     assert not (tmp_path / "interrupted").exists() or not list((tmp_path / "interrupted").iterdir())
+    clear_cache()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the deeper copy is forked on Linux only")
+def test_a_child_whose_autograd_did_not_survive_the_fork_turns_forking_off(tmp_path, monkeypatch):
+    """torch built for CUDA starts autograd's device threads at its first backward (fake tensors' too, without a
+    GPU), and a child forked after it cannot run a backward: the child says so at once, the deeper copy is traced
+    in this process, and this process forks no more (`_FORK_UNSAFE`)."""
+    import momlab.estimate as module
+
+    assert module._autograd_runs()  # this process's autograd runs
+    monkeypatch.setattr(module.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(module, "_FORK_UNSAFE", False)
+    size = {**catalog.tiny("bert-base"), "num_layers": 6}
+    real_fork, forks = module.os.fork, []
+    monkeypatch.setattr(module.os, "fork", lambda: forks.append(1) or real_fork())
+
+    def first(cache: str):
+        monkeypatch.setattr(module, "TRACE_CACHE", tmp_path / cache)
+        clear_cache()
+        return profile("bert-base", "exact", kernels="cuda", **size)
+
+    monkeypatch.setattr(module, "_autograd_runs", lambda: False)  # the child's answer, as after a fork there
+    told = first("told")
+    assert forks == [1] and module._FORK_UNSAFE
+    assert profile("bert-base", "exact", kernels="cuda", **{**size, "num_layers": 4}).disk is None  # traced here
+    again = first("again")
+    assert forks == [1] and again.depths == told.depths == (3, 4)
+    assert _same_step(again.lo, told.lo) and _same_step(again.hi, told.hi)
     clear_cache()
 
 
