@@ -209,7 +209,12 @@ def cmd_estimate(args) -> int:
     if args.json:
         print(json.dumps(d, allow_nan=True))
     else:
-        print(_table({k: v for k, v in d.items() if k not in ("time", "calibration")}))
+        print(_table({k: v for k, v in d.items() if k not in ("time", "calibration", "ckpt_plan")}))
+        if e.ckpt_plan is not None:  # ckpt-auto: the plan in one line (--json has all of it)
+            plan, k = e.ckpt_plan, len(e.ckpt_plan["checkpointed"])
+            share = plan.get("recompute_share", k / max(1, plan["blocks"]))  # a bound: none or every block
+            print(f"{'ckpt_plan':18s} {k} of {plan['blocks']} blocks checkpointed {plan['checkpointed']}, "
+                  f"recompute share {share:.3f}")
         print(f"{'calibration':18s} {e.calibration}")
         if not e.calibrated:
             print("note: uncalibrated device: step time uses the default efficiency; measure on it to calibrate")

@@ -54,6 +54,18 @@ first bert-large estimate in the paper's stack takes 0.8-1.8 s here, 1.2-1.6x
 less than with the two copies traced one after the other; quant4 2.0-3.1 s,
 1.0-1.5x less (`benchmarks/bench_validation.py`).
 
+``ckpt-auto`` (alone or with quantization) checkpoints a plan of blocks
+chosen per batch and budget, so it is no one configuration to trace: its
+estimate plans as `momlab.measure` does (`momlab.moms.auto`), between the
+traces of its two bounds, the MOM with no block checkpointed and with every
+block checkpointed (`_auto_estimate`): block costs from a forward traced
+with none checkpointed, blocks in order of bytes saved per recompute FLOP,
+the fewest whose predicted peak (measure's first guess, `auto.predict_peak`)
+fits the capacity. Its time adds to the no-checkpoint bound's the share of
+full checkpointing's extra time that the chosen blocks' forward FLOPs are
+of all blocks'. Measure then verifies its guess with steps; the estimate
+has none to run, so it is that guess (`Estimate.ckpt_plan`).
+
 Time comes from momlab.timemodel (a roofline per traced op, calibrated on
 measured records of the device); the traces here are its input.
 """
@@ -93,6 +105,7 @@ from momlab.gpus import get as get_gpu
 from momlab.accounting import StorageTracker, unique_storage_bytes
 from momlab import metrics, timemodel
 from momlab.errors import check_choice
+from momlab.moms import auto as _auto
 from momlab.moms import quant as _quant
 from momlab.record import StepRecord
 from momlab.units import format_bytes, parse_bytes
@@ -792,6 +805,27 @@ class _Session:
             self.w.update_hook = update
         return sizes
 
+    def block_costs(self, batch_size: int) -> tuple[list[int], list[int]]:
+        """ckpt-auto's costs at `batch_size`, as `momlab.measure` takes them (`auto.BlockCosts`): per block, the
+        device bytes its forward leaves alive beyond its output and its forward FLOPs, from a forward with no
+        block checkpointed (a step not logged, stopped at the end of forward). The workload's MOM has ckpt-auto."""
+        handle = self.w.handle
+        handle.checkpoint([])
+        costs = _auto.BlockCosts(handle.blocks, lambda: self.tracer.device_bytes)
+        update, self.w.update_hook = self.w.update_hook, lambda fn: None
+
+        def forward_end():
+            raise _ForwardDone
+
+        try:
+            with self._stepping(batch_size), costs:
+                self.w.step(on_forward_end=forward_end)
+        except _ForwardDone:
+            pass
+        finally:
+            self.w.update_hook = update
+        return costs.saving, costs.flops
+
     @contextmanager
     def _stepping(self, batch_size: int):
         """Around a step of the workload at `batch_size`, traced (one at a time): the last step's cycles
@@ -978,8 +1012,9 @@ def profile(model: str, mom: str = "exact", *, precision: str = "fp32", kernels:
     size = catalog.resolve_size(model, size)
     mom = parse_mom(mom)
     if mom.has("ckpt-auto"):
-        raise ValueError(f"{mom!r}: ckpt-auto's plan is chosen by measuring steps under a budget "
-                         f"(momlab.measure); estimate 'exact' and 'ckpt', which bound it")
+        base, full = _auto_bounds(mom)
+        raise ValueError(f"{mom!r} checkpoints a plan chosen per batch and budget, no one configuration to "
+                         f"profile: profile {base!r} and {full!r}, which bound it (estimate plans it from them)")
     check_choice("precision", precision, PRECISIONS)
     check_choice("kernels", kernels, ("cuda", "cpu"))
     return _profile(model, mom, precision, size, kernels, st)
@@ -1261,12 +1296,12 @@ def _depth_profile(model, mom, precision, size, kernels, st) -> Profile | None:
 def _deeper_beside(model, mom, precision, size, kernels, st):
     """Within, a forked child process traces the configuration `size` (a deep stack's deeper shallow copy) into
     the disk cache, where `_profile` then reads it: the two shallow copies of a first estimate trace side by
-    side (1.2-1.6x sooner on the 2-core project machine, docs/LOG.md 2026-12-07). The child's profile is the one this process would trace (the
-    same search for two aligned batches, the same code), so every number is the same either way. Nothing is
-    forked where that cannot pay or is not safe: `PARALLEL_DEPTHS` off, no disk cache, the traces already on
-    disk, a platform other than Linux (fork is unsafe on macOS, missing on Windows), one CPU, or CUDA started in
-    this process (a forked child cannot use it, and a traced step may ask it a question). A child that
-    fails, or is still tracing `CHILD_GRACE_S` (or as long as this process's own trace took) after this
+    side (1.2-1.6x sooner on the 2-core project machine, docs/LOG.md 2026-12-07). The child's profile is the
+    one this process would trace (the same search for two aligned batches, the same code), so every number is
+    the same either way. Nothing is forked where that cannot pay or is not safe: `PARALLEL_DEPTHS` off, no disk
+    cache, the traces already on disk, a platform other than Linux (fork is unsafe on macOS, missing on
+    Windows), one CPU, or CUDA started in this process (a forked child cannot use it, and a traced step may ask
+    it a question). A child that fails, or is still tracing `CHILD_GRACE_S` (or as long as this process's own trace took) after this
     process's trace, leaves nothing (it is killed), and `_profile` traces the configuration here; where this
     process's trace raises (an error, an interrupt), the child is killed at once. A child whose autograd did
     not survive the fork (`_FORK_UNSAFE`: torch built for CUDA, after a backward) says so at once, and this
@@ -1329,6 +1364,7 @@ def clear_cache() -> None:
     with _LOCK:
         _PROFILES.clear()
         _REPLAYS.clear()
+        _AUTO_COSTS.clear()
     timemodel.clear_cache()
 
 
@@ -1455,7 +1491,9 @@ class Estimate(StepRecord):
     efficiency was fitted from measurements of this device (``calibration``:
     from what; ``calibration_error``: the fit's median relative error on its
     records, ``calibration_records``: which). ``interpolated``: the batch was
-    read off two traces rather than traced itself.
+    read off two traces rather than traced itself. ``ckpt_plan`` (ckpt-auto
+    only): the blocks checkpointed at this batch and capacity and how they
+    were chosen (the module docstring).
     """
 
     gpu: str
@@ -1477,6 +1515,8 @@ class Estimate(StepRecord):
     rounding_bytes: int = 0
     allocator: str = "ideal"  # what `fits` asked (`ALLOCATORS`)
     reserved_bytes: int | None = None  # allocator="caching": what the replayed caching allocator reserved
+    # ckpt-auto: the plan, as `momlab.measure` records it in ``options["ckpt_plan"]`` (`_auto_estimate`)
+    ckpt_plan: dict | None = None
 
     @property
     def device(self) -> str:
@@ -1550,10 +1590,97 @@ def _from_probe(p: Probe, *, model, mom, precision, size, g, cal, capacity, kern
         context_bytes=over.context_bytes, rounding_bytes=p.rounding_bytes)
 
 
-def _prepare(model, mom, gpu, precision, tf32, size, attention=None, setup="default"):
+# -- ckpt-auto: a plan per batch between two traced bounds ------------------------------------
+
+def _auto_bounds(mom) -> tuple[str, str]:
+    """ckpt-auto's bounds: its MOM with no block checkpointed (the other parts alone, or exact) and with every
+    block checkpointed (ckpt in its place)."""
+    rest = [p for p in parse_mom(mom).parts if p != "ckpt-auto"]
+    return parse_mom("+".join(rest) or "exact"), parse_mom("+".join([*rest, "ckpt"]))
+
+
+_AUTO_COSTS: dict = {}
+
+
+def _auto_costs(prof: Profile, mom) -> tuple[np.ndarray, ...]:
+    """ckpt-auto's block costs (`_Session.block_costs`) at the two batches of `prof` (its no-checkpoint bound):
+    bytes saved at each, forward FLOPs at each, per block; cached in this process. Both are affine in the
+    batch, as every traced byte and FLOP is, so any batch is read off them (`_costs_at`)."""
+    b1, b2 = prof.lo.batch_size, prof.hi.batch_size
+    key = (prof.model, mom, prof.precision, tuple(sorted(prof.size.items())), prof.kernels, prof.attention,
+           prof.setup, b1, b2)
+    with _LOCK, _old_objects_frozen():
+        costs = _AUTO_COSTS.get(key)
+        if costs is None:
+            session = _Session(prof.model, mom, prof.precision, prof.size, prof.kernels, attention=prof.attention,
+                               setup=prof.setup)
+            (s1, f1), (s2, f2) = (session.block_costs(b) for b in (b1, b2))
+            costs = _AUTO_COSTS[key] = tuple(np.asarray(x, dtype=np.float64) for x in (s1, s2, f1, f2))
+    return costs
+
+
+def _costs_at(prof: Profile, costs, batch_size: int) -> tuple[list[int], list[float]]:
+    s1, s2, f1, f2 = costs
+    saving = np.rint(np.maximum(0.0, prof._lerp(s1, s2, batch_size))).astype(np.int64)
+    return [int(x) for x in saving], [float(x) for x in np.maximum(0.0, prof._lerp(f1, f2, batch_size))]
+
+
+def _auto_estimate(model, mom, batch_size: int, *, g, cal, budget, precision, tf32, attention, setup, size,
+                   trace: bool = False) -> Estimate:
+    """ckpt-auto at `batch_size` (the module docstring): nothing checkpointed where its no-checkpoint bound
+    fits, every block where only its full bound fits (or nothing does), otherwise the fewest blocks of
+    measure's order whose predicted peak fits the capacity, with memory from that prediction and time, FLOPs
+    and bytes moved from the bounds', the chosen blocks' share of full checkpointing's recomputation added."""
+    mom = parse_mom(mom)
+    profs = [profile(model, m, precision=precision, kernels=g.kernels, attention=attention, setup=setup, **size)
+             for m in _auto_bounds(mom)]
+    capacity = _capacity(g, budget, profs[0].setup)
+    bounds = []
+    for prof in profs:
+        p = prof.at(batch_size, trace=trace)
+        bounds.append(_from_probe(p, model=model, mom=prof.mom, precision=precision, size=prof.size, g=g, cal=cal,
+                                  capacity=capacity, kernels=g.kernels, tf32=tf32, prof=prof,
+                                  interpolated=p is not prof.lo and p is not prof.hi and batch_size not in prof.direct))
+    base_prof, (none, every) = profs[0], bounds
+    saving, flops = _costs_at(base_prof, _auto_costs(base_prof, mom), batch_size)
+    n = len(saving)
+    order = _auto.order(saving, flops)
+    if none.fits:
+        k = 0
+    elif not every.fits:
+        k = n
+    else:
+        k = next(k for k in range(n + 1) if k == n
+                 or _auto.predict_peak(order[:k], saving, none.peak_bytes, every.peak_bytes) <= capacity)
+    chosen = order[:k]
+    plan = {"blocks": n, "order": order, "checkpointed": sorted(chosen), "saving_bytes": saving,
+            "recompute_flops": flops, "exact_peak_bytes": none.peak_bytes, "predicted": k}
+    if k in (0, n):  # a bound itself
+        return replace(none if k == 0 else every, mom=mom, ckpt_plan=plan)
+    share = sum(flops[i] for i in chosen) / sum(flops) if sum(flops) > 0 else k / n
+    mix = lambda a, b: a + share * (b - a)  # noqa: E731
+    peak = _auto.predict_peak(chosen, saving, none.peak_bytes, every.peak_bytes)
+    activation = max(every.activation_bytes, none.activation_bytes - sum(saving[i] for i in chosen))
+    step_s = mix(none.step_time_s, every.step_time_s)
+    return replace(
+        none, mom=mom, fits=True, peak_bytes=peak, activation_bytes=activation,
+        workspace_bytes=max(0, peak - none.params_bytes - none.grads_bytes - none.optimizer_bytes - activation),
+        step_time_s=step_s, throughput=batch_size / step_s, flops=int(round(mix(none.flops, every.flops))),
+        bytes_moved=int(round(mix(none.bytes_moved, every.bytes_moved))),
+        time={key: mix(v, every.time[key]) if isinstance(v, (int, float)) and not isinstance(v, bool)
+              and key in every.time else v for key, v in none.time.items()},
+        interpolated=none.interpolated or every.interpolated, ckpt_plan={**plan, "recompute_share": share})
+
+
+def _checked_gpu(gpu: str, precision: str, tf32: bool) -> Gpu:
     g = get_gpu(gpu)
     check_choice("precision", precision, PRECISIONS)
     _check_gpu_precision(g, precision, tf32)
+    return g
+
+
+def _prepare(model, mom, gpu, precision, tf32, size, attention=None, setup="default"):
+    g = _checked_gpu(gpu, precision, tf32)
     prof = profile(model, mom, precision=precision, kernels=g.kernels, attention=attention, setup=setup, **size)
     return g, prof
 
@@ -1687,6 +1814,14 @@ def estimate(model: str, mom: str = "exact", *, batch_size: int, gpu: str, preci
     check_choice("allocator", allocator, ALLOCATORS)
     if allocator == "caching":
         _check_caching(get_gpu(gpu))  # before any trace
+    if parse_mom(mom).has("ckpt-auto"):
+        if allocator == "caching":
+            raise ValueError(f"{parse_mom(mom)!r}: allocator='caching' replays the allocations of one traced "
+                             f"configuration, and ckpt-auto's plan is chosen per batch between two; valid here: "
+                             f"allocator='ideal'")
+        g = _checked_gpu(gpu, precision, tf32)
+        return _auto_estimate(model, mom, batch_size, g=g, cal=calibrate(gpu, results=results), budget=budget,
+                              precision=precision, tf32=tf32, attention=attention, setup=setup, size=size, trace=trace)
     g, prof = _prepare(model, mom, gpu, precision, tf32, size, attention, setup)
     cal = calibrate(gpu, results=results)
     p = prof.at(batch_size, trace=trace)
@@ -1717,6 +1852,8 @@ def predict_max_batch(model: str, mom: str = "exact", *, gpu: str, precision: st
     check_choice("allocator", allocator, ALLOCATORS)
     if allocator == "caching":
         _check_caching(get_gpu(gpu))  # before any trace
+    if parse_mom(mom).has("ckpt-auto"):  # its plan is a subset of ckpt's: it fits wherever ckpt fits, and only there
+        mom = _auto_bounds(mom)[1]
     g, prof = _prepare(model, mom, gpu, precision, False, size, attention, setup)
     if allocator == "caching":
         return _max_batch_caching(g, prof, budget)
@@ -1726,7 +1863,12 @@ def predict_max_batch(model: str, mom: str = "exact", *, gpu: str, precision: st
 def throughput_curve(model: str, mom: str = "exact", *, gpu: str, batch_sizes, precision: str = "fp32",
                      budget=None, tf32: bool = False, results=None, attention: str | None = None,
                      setup: str = "default", **size) -> list[Estimate]:
-    """Estimates at each of `batch_sizes` from one pair of traces (no tracing per point)."""
+    """Estimates at each of `batch_sizes` from one pair of traces (no tracing per point; ckpt-auto: a plan
+    per point from its bounds' pairs, `_auto_estimate`)."""
+    if parse_mom(mom).has("ckpt-auto"):
+        g, cal = _checked_gpu(gpu, precision, tf32), calibrate(gpu, results=results)
+        return [_auto_estimate(model, mom, int(b), g=g, cal=cal, budget=budget, precision=precision, tf32=tf32,
+                               attention=attention, setup=setup, size=size) for b in batch_sizes]
     g, prof = _prepare(model, mom, gpu, precision, tf32, size, attention, setup)
     cal = calibrate(gpu, results=results)
     cap = _capacity(g, budget, prof.setup)
@@ -1775,6 +1917,8 @@ def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers",
     from momlab.search import find_max, size_step
 
     check_choice("allocator", allocator, ALLOCATORS)
+    if parse_mom(mom).has("ckpt-auto"):  # a subset of ckpt's blocks: the largest model ckpt trains, as for batch
+        mom = _auto_bounds(mom)[1]
     model = resolve(model)
     g = get_gpu(gpu)
     _check_gpu_precision(g, precision, False)
@@ -1851,8 +1995,10 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
         raise ValueError("verdict needs at least one MOM")
     rows, text, curves = [], [], []
     for mom in moms:
-        try:
-            g, prof = _prepare(model, mom, gpu, precision, False, size, attention, setup)
+        try:  # ckpt-auto's largest batch is its full bound's (`predict_max_batch`)
+            mom = parse_mom(mom)
+            g, prof = _prepare(model, _auto_bounds(mom)[1] if mom.has("ckpt-auto") else mom, gpu, precision, False,
+                               size, attention, setup)
         except ValueError as exc:  # a MOM that does not apply to this model (ckpt-selective on a ResNet)
             rows.append({"mom": mom, "applicable": False, "reason": str(exc).splitlines()[0]})
             continue
@@ -1862,7 +2008,7 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
         curves += curve
         fitting = [e for e in curve if e.fits]
         best = max(fitting, key=lambda e: e.throughput) if fitting else None
-        row = {"mom": prof.mom, "applicable": True, "max_batch": mb,
+        row = {"mom": mom, "applicable": True, "max_batch": mb,
                "best_batch": best.batch_size if best else 0,
                "throughput": best.throughput if best else 0.0,
                "step_time_s": best.step_time_s if best else math.nan,
@@ -1897,8 +2043,9 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
                 v = predict_max_size(model, r["mom"], dim=dim, batch_size=batch_size, gpu=gpu, precision=precision,
                                      budget=budget, attention=attention, setup=setup, **size)
                 # what the deepest model keeps in host memory (swap's copies): nothing here bounds it
-                host = profile(model, r["mom"], precision=precision, kernels=_kernels_of(gpu), attention=attention,
-                               setup=setup, **{**size, dim: v}).at(batch_size).host_bytes if v else 0
+                host = profile(model, _auto_bounds(r["mom"])[1] if r["mom"].has("ckpt-auto") else r["mom"],
+                               precision=precision, kernels=_kernels_of(gpu), attention=attention, setup=setup,
+                               **{**size, dim: v}).at(batch_size).host_bytes if v else 0
                 s2rows.append({"mom": r["mom"], dim: v, "host_bytes": host})
         base = next((r[dim] for r in s2rows if r["mom"] == "exact"), 0)
         best = max(s2rows, key=lambda r: r[dim]) if s2rows else None

@@ -180,3 +180,57 @@ def test_resnet_orders_blocks_by_bytes_per_flop():
     ratios = [s / f for s, f in zip(plan["saving_bytes"], plan["recompute_flops"])]
     assert m.fits and plan["order"] == sorted(range(len(ratios)), key=lambda i: (-ratios[i], i))
     assert ratios[plan["order"][0]] > ratios[plan["order"][-1]]
+
+
+# -- estimated plans: measure's rule on traces, against its measured plans ---------------------
+
+def _estimate(mom, batch_size, budget, **kw):
+    from momlab.estimate import estimate
+
+    return estimate(MODEL, mom, batch_size=batch_size, gpu="cpu", budget=budget, **SIZE, **kw)
+
+
+def test_estimate_plans_what_measure_measured(setup):
+    """On the CPU target (which `measure` runs on, with the same emulated budget) the estimate's plan is the
+    plan measure's steps verified, its predicted peak the measured peak within 1% and its FLOPs the measured
+    ones: the block costs come from a traced forward, the plan from measure's rule, the step from the traces
+    of exact and ckpt."""
+    budget, exact, full = setup
+    m = measure(MODEL, "ckpt-auto", batch_size=24, budget=budget, steps=1, **SIZE)
+    e = _estimate("ckpt-auto", 24, budget)
+    plan, measured = e.ckpt_plan, m.options["ckpt_plan"]
+    assert e.fits and e.mom == "ckpt-auto" and e.peak_bytes <= budget
+    assert plan["checkpointed"] == measured["checkpointed"] and plan["order"] == measured["order"]
+    assert plan["blocks"] == SIZE["num_layers"] and 0 < len(plan["checkpointed"]) < plan["blocks"]
+    assert plan["saving_bytes"] == measured["saving_bytes"]
+    assert abs(e.peak_bytes / m.peak_bytes - 1) < 0.01 and abs(e.flops / m.flops - 1) < 0.01
+    none, every = _estimate("exact", 24, budget), _estimate("ckpt", 24, budget)
+    assert none.step_time_s < e.step_time_s < every.step_time_s
+    assert 0 < plan["recompute_share"] < 1 and every.peak_bytes <= e.peak_bytes < none.peak_bytes
+
+
+def test_estimate_checkpoints_nothing_where_exact_fits_and_fits_only_where_ckpt_does(setup):
+    from momlab.estimate import predict_max_batch, throughput_curve
+
+    budget, _, full = setup
+    e, x = _estimate("ckpt-auto", 8, budget), _estimate("exact", 8, budget)
+    assert e.ckpt_plan["checkpointed"] == [] and (e.peak_bytes, e.step_time_s, e.flops) == (x.peak_bytes,
+                                                                                        x.step_time_s, x.flops)
+    tight = full.peak_bytes - 1  # the measured full bound at 24 no longer fits
+    e, c = _estimate("ckpt-auto", 24, tight), _estimate("ckpt", 24, tight)
+    assert not e.fits and not c.fits and len(e.ckpt_plan["checkpointed"]) == SIZE["num_layers"]
+    top = predict_max_batch(MODEL, "ckpt", gpu="cpu", budget=budget, **SIZE)
+    assert predict_max_batch(MODEL, "ckpt-auto", gpu="cpu", budget=budget, **SIZE) == top
+    curve = throughput_curve(MODEL, "ckpt-auto", gpu="cpu", batch_sizes=[8, 24, 48, top, top + 1], budget=budget,
+                             **SIZE)
+    counts = [len(c.ckpt_plan["checkpointed"]) for c in curve]
+    assert counts == sorted(counts) and counts[0] == 0 and [c.fits for c in curve] == [True] * 4 + [False]
+
+
+def test_estimate_needs_fewer_blocks_with_quantization_as_measured(setup):
+    budget, _, _ = setup
+    q = measure(MODEL, "quant4+ckpt-auto", batch_size=48, budget=budget, steps=1, **SIZE)
+    eq, ep = _estimate("quant4+ckpt-auto", 48, budget), _estimate("ckpt-auto", 48, budget)
+    assert eq.fits and eq.mom == "quant4+ckpt-auto"
+    assert eq.ckpt_plan["checkpointed"] == q.options["ckpt_plan"]["checkpointed"]
+    assert len(eq.ckpt_plan["checkpointed"]) < len(ep.ckpt_plan["checkpointed"])

@@ -41,7 +41,7 @@ from momlab.measure import measure
 from momlab.search import max_batch_size
 
 MODELS = catalog.models()
-# ckpt-auto plans by measuring under a budget: estimate refuses it (test_errors_name_the_valid_choices)
+# ckpt-auto is planned per batch between the profiles of two of these (tests/test_ckpt_auto.py), not traced itself
 MOMS = [m for m in momlab.moms.moms() if m != "ckpt-auto"]
 # the combinations the paper ran: traced against measured like the atomic MOMs (on bert-base in `make test`)
 MOMS += ["quant4+ckpt", "swap+ckpt", "quant4+swap"]
@@ -650,8 +650,10 @@ def test_errors_name_the_valid_choices():
         estimate("bert-base", batch_size=2, gpu="A100-40", width_per_group=3)
     with pytest.raises(ValueError, match="valid atomic MOMs"):
         estimate("bert-base", "ckpt2", batch_size=2, gpu="A100-40", **size)
-    with pytest.raises(ValueError, match="ckpt-auto's plan is chosen by measuring"):
-        estimate("bert-base", "quant4+ckpt-auto", batch_size=2, gpu="A100-40", **size)
+    with pytest.raises(ValueError, match="profile 'quant4' and 'quant4\\+ckpt', which bound it"):
+        profile("bert-base", "quant4+ckpt-auto", **size)
+    with pytest.raises(ValueError, match="valid here: allocator='ideal'"):
+        estimate("bert-base", "ckpt-auto", batch_size=2, gpu="A100-40", allocator="caching", **size)
 
 
 def test_verdict_answers_fit_and_speed(_no_records):
