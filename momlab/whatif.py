@@ -257,8 +257,9 @@ def figure(view: View, fig=None):
         curve = view.curves[m]
         fit = [e for e in curve if e.fits]
         if fit:
+            # exact over the others: ckpt-auto is exact wherever exact fits, and would hide it
             ax_tp.plot([e.batch_size for e in fit], [e.throughput for e in fit], color=c, label=m, lw=1.5,
-                       ls=style.get("linestyle", "-"))
+                       ls=style.get("linestyle", "-"), zorder=2.5 if m == "exact" else 2)
             last = fit[-1]
             ax_tp.plot([last.batch_size], [last.throughput], style.get("marker", "o"), color=c, ms=4)
         over = [e for e in curve if not e.fits]
