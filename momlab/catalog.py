@@ -316,15 +316,15 @@ def _llm(s: Spec, z: dict) -> nn.Module:
 def _experts(self, hidden_states, top_k_index, top_k_weights):
     """Mixtral's experts, tokens sorted by expert, one grouped matmul per projection.
 
-    The grouped matmul is transformers' own opaque op (``grouped_mm_fallback``,
-    one mm per expert inside, a shape-only fake outside): unlike the eager
-    loop (whose shapes depend on the routing, which a trace on tensors
-    without data cannot follow) and unlike torch's ``_grouped_mm`` (bf16 only
-    on CUDA, while the weights here are fp32 masters), it runs on every
-    device and precision, and a trace sees the same ops a step runs.
-    Memory: one (tokens x top-k) row per routed token, as grouped GEMMs keep.
+    The grouped matmul is an opaque op (`grouped_mm`: one mm per expert inside,
+    a shape-only fake outside, its backward opaque too): unlike the eager loop
+    (whose shapes depend on the routing, which a trace on tensors without data
+    cannot follow) and unlike torch's ``_grouped_mm`` (bf16 only, while the
+    weights here are fp32 masters), it runs on every device and precision,
+    and a trace sees the same ops a step runs. Memory: one (tokens x top-k)
+    row per routed token, as grouped GEMMs keep.
     """
-    mm = torch.ops.transformers.grouped_mm_fallback
+    mm = torch.ops.momlab.grouped_mm
     k, (n, h) = top_k_index.size(-1), hidden_states.shape
     ids, perm = torch.sort(top_k_index.reshape(-1))
     x = hidden_states[perm // k]
@@ -338,6 +338,57 @@ def _experts(self, hidden_states, top_k_index, top_k_weights):
     return out[inverse].view(n, k, h).sum(dim=1).to(hidden_states.dtype)
 
 
+# `grouped_mm` and its backward: transformers' `grouped_mm_fallback` pair (transformers/integrations/moe.py,
+# Apache-2.0; 5.24 has both as opaque ops, 5.17, the lent GPU machine's, only the forward, whose Python backward
+# reads the offsets a trace does not have), as momlab's own ops so every transformers version traces alike.
+@torch.library.custom_op("momlab::grouped_mm", mutates_args=())
+def grouped_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """(S, K) rows sorted by group, times (G, K, N) weights: rows ``offs[i-1]:offs[i]`` by ``weight[i]``."""
+    output = torch.zeros(input.size(0), weight.size(2), device=input.device, dtype=input.dtype)
+    start = 0
+    for i, end in enumerate(offs.tolist()):  # one host read of the offsets
+        if start != end:
+            torch.mm(input[start:end], weight[i], out=output[start:end])
+        start = end
+    return output
+
+
+@grouped_mm.register_fake
+def _grouped_mm_fake(input, weight, offs):
+    return input.new_empty(input.size(0), weight.size(2))
+
+
+@torch.library.custom_op("momlab::grouped_mm_backward", mutates_args=())
+def _grouped_mm_backward(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                         grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_input, grad_weight = torch.zeros_like(input), torch.zeros_like(weight)
+    start = 0
+    for i, end in enumerate(offs.tolist()):
+        if start != end:
+            torch.mm(grad_output[start:end], weight[i].T, out=grad_input[start:end])
+            torch.mm(input[start:end].T, grad_output[start:end], out=grad_weight[i])
+        start = end
+    return grad_input, grad_weight
+
+
+@_grouped_mm_backward.register_fake
+def _grouped_mm_backward_fake(input, weight, offs, grad_output):
+    return torch.empty_like(input), torch.empty_like(weight)
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.offs = inputs[2]  # held by the autograd context, not through saved-tensor hooks
+
+
+def _grouped_mm_grad(ctx, grad_output):
+    input, weight = ctx.saved_tensors
+    return (*torch.ops.momlab.grouped_mm_backward(input, weight, ctx.offs, grad_output), None)
+
+
+grouped_mm.register_autograd(_grouped_mm_grad, setup_context=_grouped_mm_setup)
+
+
 def _grouped_flops(input_shape, weight_shape, *args, **kwargs) -> int:
     """(S, K) rows, each times one expert's (K, N): torch's counter has no formula for the opaque op."""
     return 2 * input_shape[0] * input_shape[1] * weight_shape[-1]
@@ -348,20 +399,18 @@ def _grouped_backward_flops(input_shape, weight_shape, *args, **kwargs) -> int:
 
 
 def _experts_implementation() -> str:
-    """"momlab_grouped" (`_experts`), registered with transformers' experts interface once; transformers
-    without the opaque grouped op keeps its own "grouped_mm"."""
+    """"momlab_grouped" (`_experts`), registered with transformers' experts interface once; a transformers
+    without that interface keeps its own "grouped_mm"."""
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-        torch.ops.transformers.grouped_mm_fallback  # noqa: B018 - raises where it does not exist
-    except (ImportError, AttributeError, RuntimeError):
+    except ImportError:
         return "grouped_mm"
     if "momlab_grouped" not in ALL_EXPERTS_FUNCTIONS:
         from torch.utils.flop_counter import register_flop_formula
 
+        register_flop_formula(torch.ops.momlab.grouped_mm)(_grouped_flops)
+        register_flop_formula(torch.ops.momlab.grouped_mm_backward)(_grouped_backward_flops)
         ALL_EXPERTS_FUNCTIONS.register("momlab_grouped", _experts)
-        register_flop_formula(torch.ops.transformers.grouped_mm_fallback)(_grouped_flops)
-        register_flop_formula(torch.ops.transformers.grouped_mm_fallback_backward)(_grouped_backward_flops)
     return "momlab_grouped"
 
 

@@ -97,7 +97,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 
 from momlab import allocator, catalog, legacy
 from momlab.gpus import Gpu
@@ -671,10 +671,8 @@ class _Tracer(StorageTracker):
         flops = extra = 0
         if packet in flop_registry:
             flops = flop_registry[packet](*args, **kwargs, out_val=out)
-        elif packet is aten._scaled_dot_product_flash_attention_for_cpu:
-            extra = sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
-        elif packet is aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            extra = sdpa_backward_flop_count(args[0].shape, args[1].shape, args[2].shape, args[3].shape)
+        else:
+            extra = _auto.cpu_attention_flops(packet, args)
         moved = 0 if func in _NO_TRAFFIC else sum(map(_nbytes, flat_in)) + sum(map(_nbytes, flat_out))
         if _quant.REPEAT != 1.0:  # one folded pass of a quantization loop stands for REPEAT of them
             flops, moved = flops * _quant.REPEAT, moved * _quant.REPEAT

@@ -59,7 +59,7 @@ def test_activation_bytes_are_the_saved_tensors(model):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = catalog.loss(model, w.model, w.batch())
-    # Mixtral's grouped expert op (transformers' grouped_mm_fallback) keeps its offsets, one int32 per
+    # Mixtral's grouped expert op (`catalog.grouped_mm`) keeps its offsets, one int32 per
     # expert and layer, on its autograd context rather than through saved-tensor hooks: held all the same
     spec = catalog.spec(model)
     offsets = size["num_layers"] * spec.extra["experts"] * 4 if spec.family == "mixtral" else 0

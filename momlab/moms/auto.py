@@ -41,11 +41,31 @@ from typing import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["BlockCosts", "order", "predict_peak", "fewest"]
+__all__ = ["BlockCosts", "order", "predict_peak", "fewest", "cpu_attention_flops"]
 
 _CPU_SDPA = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_SDPA_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _query_heads(query, shape):
+    """A key or value shape with the query's head count: grouped-query attention (Llama, Qwen2: a key/value
+    head shared by a group of query heads) costs what one key/value head per query head costs. torch 2.13's
+    counter takes the grouped shapes and counts that; 2.11's asserts equal head counts."""
+    return (shape[0], query[1], *shape[2:]) if len(query) == 4 and len(shape) == 4 else shape
+
+
+def cpu_attention_flops(packet, args) -> int:
+    """FLOPs of the CPU's fused attention op (forward or backward; torch's FlopCounterMode does not count
+    it), 0 for any other op."""
+    if packet is _CPU_SDPA:
+        q, k, v = (a.shape for a in args[:3])
+        return sdpa_flop_count(q, _query_heads(q, k), _query_heads(q, v))
+    if packet is _CPU_SDPA_BACKWARD:
+        g, q, k, v = (a.shape for a in args[:4])
+        return sdpa_backward_flop_count(g, q, _query_heads(q, k), _query_heads(q, v))
+    return 0
 
 
 class BlockCosts(TorchDispatchMode):
@@ -101,8 +121,8 @@ class BlockCosts(TorchDispatchMode):
             packet = func._overloadpacket
             if packet in flop_registry:
                 self.flops[self._current] += flop_registry[packet](*args, **kwargs, out_val=out)
-            elif packet is _CPU_SDPA:
-                self.flops[self._current] += sdpa_flop_count(args[0].shape, args[1].shape, args[2].shape)
+            else:
+                self.flops[self._current] += cpu_attention_flops(packet, args)
         return out
 
 

@@ -79,32 +79,49 @@ def _contexts(cache: tuple | None, block: nn.Module) -> tuple:
 
 
 def _pack_cache(forward, recompute, pack, unpack) -> None:
-    # torch keeps the saved outputs in a dict shared by the two modes
-    # (op -> call index -> wrapped tensor); ours stores packed values instead
-    if getattr(forward, "storage", None) is None or forward.storage is not getattr(recompute, "storage", None):
+    # torch keeps the saved outputs in a defaultdict shared by the two modes, op -> its calls' wrapped outputs:
+    # a list in call order (torch 2.11, which the lent GPU machine runs) or a dict by call index (2.13); ours
+    # stores packed values in the same kind of container
+    storage = getattr(forward, "storage", None)
+    entries = {list: _PackedList, dict: _PackedEntries}.get(getattr(storage, "default_factory", None))
+    if entries is None or storage is not getattr(recompute, "storage", None):
         raise RuntimeError(
             "this torch version keeps selective checkpointing's cache where momlab cannot reach it; "
             "ckpt-selective cannot be combined with quant or swap here")
-    storage = defaultdict(partial(_PackedEntries, pack, unpack))
-    forward.storage = recompute.storage = storage
+    forward.storage = recompute.storage = defaultdict(partial(entries, pack, unpack))
+
+
+def _packed(entry, pack, unpack):
+    """A cached call's outputs with each wrapped tensor packed: entries are torch's version-checking wrappers
+    (with .val and .get_val) or its sentinels; only wrapped tensors are packed."""
+    def one(wrapper):
+        val = getattr(wrapper, "val", None)
+        if isinstance(val, torch.Tensor) and hasattr(wrapper, "get_val"):
+            return _PackedValue(pack(val), unpack)
+        return wrapper
+    return tree_map_only(_wrapper_type(), one, entry)
 
 
 class _PackedEntries(dict):
-    """One op's cached outputs, stored as `pack` returns them."""
+    """One op's cached outputs by call index, stored as `pack` returns them."""
 
     def __init__(self, pack, unpack):
         super().__init__()
         self.pack, self.unpack = pack, unpack
 
     def __setitem__(self, index, entry):
-        # entries are torch's version-checking wrappers (with .val and
-        # .get_val) or its sentinels; only wrapped tensors are packed
-        def packed(wrapper):
-            val = getattr(wrapper, "val", None)
-            if isinstance(val, torch.Tensor) and hasattr(wrapper, "get_val"):
-                return _PackedValue(self.pack(val), self.unpack)
-            return wrapper
-        super().__setitem__(index, tree_map_only(_wrapper_type(), packed, entry))
+        super().__setitem__(index, _packed(entry, self.pack, self.unpack))
+
+
+class _PackedList(list):
+    """One op's cached outputs in call order, stored as `pack` returns them."""
+
+    def __init__(self, pack, unpack):
+        super().__init__()
+        self.pack, self.unpack = pack, unpack
+
+    def append(self, entry):
+        super().append(_packed(entry, self.pack, self.unpack))
 
 
 class _PackedValue:
