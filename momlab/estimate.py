@@ -1299,11 +1299,11 @@ def _deeper_beside(model, mom, precision, size, kernels, st):
     the same either way. Nothing is forked where that cannot pay or is not safe: `PARALLEL_DEPTHS` off, no disk
     cache, the traces already on disk, a platform other than Linux (fork is unsafe on macOS, missing on
     Windows), one CPU, or CUDA started in this process (a forked child cannot use it, and a traced step may ask
-    it a question). A child that fails, or is still tracing `CHILD_GRACE_S` (or as long as this process's own trace took) after this
-    process's trace, leaves nothing (it is killed), and `_profile` traces the configuration here; where this
-    process's trace raises (an error, an interrupt), the child is killed at once. A child whose autograd did
-    not survive the fork (`_FORK_UNSAFE`: torch built for CUDA, after a backward) says so at once, and this
-    process forks no more."""
+    it a question). A child that fails, or is still tracing `CHILD_GRACE_S` (or as long as this process's own
+    trace took) after this process's trace, leaves nothing (it is killed), and `_profile` traces the
+    configuration here; where this process's trace raises (an error, an interrupt), the child is killed at
+    once. A child whose autograd did not survive the fork (`_FORK_UNSAFE`: torch built for CUDA, after a
+    backward) says so at once, and this process forks no more."""
     global _FORK_UNSAFE
     disk = _disk_path(model, mom, precision, size, kernels, st) if PARALLEL_DEPTHS else None
     if (disk is None or disk[0].exists() or _FORK_UNSAFE or not sys.platform.startswith("linux")
