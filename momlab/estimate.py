@@ -1597,6 +1597,18 @@ def _auto_bounds(mom) -> tuple[str, str]:
     return parse_mom("+".join(rest) or "exact"), parse_mom("+".join([*rest, "ckpt"]))
 
 
+def _fits_as(mom):
+    """The MOM whose traces decide where `mom` fits: ckpt-auto's full bound (its plan is a subset of ckpt's
+    blocks, so it fits wherever ckpt fits, and only there), any other MOM itself."""
+    mom = parse_mom(mom)
+    return _auto_bounds(mom)[1] if mom.has("ckpt-auto") else mom
+
+
+def _interpolated(prof: Profile, p: Probe, batch_size: int) -> bool:
+    """Whether `p`, `prof`'s step at `batch_size`, was read off its two traces rather than traced."""
+    return p is not prof.lo and p is not prof.hi and batch_size not in prof.direct
+
+
 _AUTO_COSTS: dict = {}
 
 
@@ -1638,7 +1650,7 @@ def _auto_estimate(model, mom, batch_size: int, *, g, cal, budget, precision, tf
         p = prof.at(batch_size, trace=trace)
         bounds.append(_from_probe(p, model=model, mom=prof.mom, precision=precision, size=prof.size, g=g, cal=cal,
                                   capacity=capacity, kernels=g.kernels, tf32=tf32, prof=prof,
-                                  interpolated=p is not prof.lo and p is not prof.hi and batch_size not in prof.direct))
+                                  interpolated=_interpolated(prof, p, batch_size)))
     base_prof, (none, every) = profs[0], bounds
     saving, flops = _costs_at(base_prof, _auto_costs(base_prof, mom), batch_size)
     n = len(saving)
@@ -1823,7 +1835,7 @@ def estimate(model: str, mom: str = "exact", *, batch_size: int, gpu: str, preci
     g, prof = _prepare(model, mom, gpu, precision, tf32, size, attention, setup)
     cal = calibrate(gpu, results=results)
     p = prof.at(batch_size, trace=trace)
-    interpolated = p is not prof.lo and p is not prof.hi and batch_size not in prof.direct
+    interpolated = _interpolated(prof, p, batch_size)
     capacity = _capacity(g, budget, prof.setup)
     e = _from_probe(p, model=model, mom=prof.mom, precision=precision, size=prof.size, g=g, cal=cal,
                     capacity=capacity, kernels=g.kernels, interpolated=interpolated, tf32=tf32, prof=prof)
@@ -1850,9 +1862,7 @@ def predict_max_batch(model: str, mom: str = "exact", *, gpu: str, precision: st
     check_choice("allocator", allocator, ALLOCATORS)
     if allocator == "caching":
         _check_caching(get_gpu(gpu))  # before any trace
-    if parse_mom(mom).has("ckpt-auto"):  # its plan is a subset of ckpt's: it fits wherever ckpt fits, and only there
-        mom = _auto_bounds(mom)[1]
-    g, prof = _prepare(model, mom, gpu, precision, False, size, attention, setup)
+    g, prof = _prepare(model, _fits_as(mom), gpu, precision, False, size, attention, setup)
     if allocator == "caching":
         return _max_batch_caching(g, prof, budget)
     return _max_batch(g, prof, budget)
@@ -1915,8 +1925,7 @@ def predict_max_size(model: str, mom: str = "exact", *, dim: str = "num_layers",
     from momlab.search import find_max, size_step
 
     check_choice("allocator", allocator, ALLOCATORS)
-    if parse_mom(mom).has("ckpt-auto"):  # a subset of ckpt's blocks: the largest model ckpt trains, as for batch
-        mom = _auto_bounds(mom)[1]
+    mom = _fits_as(mom)
     model = resolve(model)
     g = get_gpu(gpu)
     _check_gpu_precision(g, precision, False)
@@ -1993,10 +2002,9 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
         raise ValueError("verdict needs at least one MOM")
     rows, text, curves = [], [], []
     for mom in moms:
-        try:  # ckpt-auto's largest batch is its full bound's (`predict_max_batch`)
+        try:
             mom = parse_mom(mom)
-            g, prof = _prepare(model, _auto_bounds(mom)[1] if mom.has("ckpt-auto") else mom, gpu, precision, False,
-                               size, attention, setup)
+            g, prof = _prepare(model, _fits_as(mom), gpu, precision, False, size, attention, setup)
         except ValueError as exc:  # a MOM that does not apply to this model (ckpt-selective on a ResNet)
             rows.append({"mom": mom, "applicable": False, "reason": str(exc).splitlines()[0]})
             continue
@@ -2041,9 +2049,9 @@ def verdict(model: str, moms=None, *, gpu: str, precision: str = "fp32", batch_s
                 v = predict_max_size(model, r["mom"], dim=dim, batch_size=batch_size, gpu=gpu, precision=precision,
                                      budget=budget, attention=attention, setup=setup, **size)
                 # what the deepest model keeps in host memory (swap's copies): nothing here bounds it
-                host = profile(model, _auto_bounds(r["mom"])[1] if r["mom"].has("ckpt-auto") else r["mom"],
-                               precision=precision, kernels=_kernels_of(gpu), attention=attention, setup=setup,
-                               **{**size, dim: v}).at(batch_size).host_bytes if v else 0
+                deepest = profile(model, _fits_as(r["mom"]), precision=precision, kernels=_kernels_of(gpu),
+                                  attention=attention, setup=setup, **{**size, dim: v}) if v else None
+                host = deepest.at(batch_size).host_bytes if v else 0
                 s2rows.append({"mom": r["mom"], dim: v, "host_bytes": host})
         base = next((r[dim] for r in s2rows if r["mom"] == "exact"), 0)
         best = max(s2rows, key=lambda r: r[dim]) if s2rows else None
